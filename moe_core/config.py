@@ -1,0 +1,284 @@
+"""TransformerConfig: one keyword-only dataclass for the model, the MoE layer and the router.
+
+Field names follow Megatron-LM's ``TransformerConfig`` (megatron/core/transformer/transformer_config.py)
+where Megatron has one, so a Megatron user can read a moe_core YAML without a glossary. Validation
+happens in ``__post_init__`` and raises ``ValueError``/``TypeError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu", "relu", "squared_relu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+TOKEN_DROP_POLICIES = ("probs", "position")
+DISPATCHER_TYPES = ("alltoall", "allgather")
+ROUTER_DTYPES = ("fp32", "fp64", None)
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    # --- model shape ---
+    num_layers: int
+    """Number of transformer blocks."""
+    hidden_size: int
+    """Model width H."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention (GQA); None means num_attention_heads (MHA)."""
+    kv_channels: int | None = None
+    """Per-head dimension; None means hidden_size // num_attention_heads."""
+    ffn_hidden_size: int | None = None
+    """Dense MLP width; None means 4 * hidden_size."""
+    vocab_size: int = 256
+    """Vocabulary size (256 for the byte tokenizer)."""
+    seq_length: int = 128
+    """Training sequence length in tokens."""
+    activation_func: str = "swiglu"
+    """One of ACTIVATIONS; swiglu and geglu are gated (fc1 produces 2 * ffn width)."""
+    add_bias_linear: bool = False
+    """Bias on every linear layer (attention, dense MLP, experts)."""
+    qk_layernorm: bool = False
+    """RMSNorm on each head's queries and keys (Qwen3, OLMoE)."""
+    layernorm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    rotary_base: float = 10000.0
+    """RoPE base (theta)."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the output projection to the input embedding."""
+    init_method_std: float = 0.02
+    """Std of the normal init of linear and embedding weights."""
+
+    # --- MoE layer ---
+    num_moe_experts: int | None = None
+    """Routed experts per MoE layer; None makes every layer dense."""
+    moe_router_topk: int = 2
+    """Experts per token."""
+    moe_ffn_hidden_size: int | None = None
+    """Expert MLP width F; None means ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Width of the shared expert (sum over shared experts); None: no shared expert."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(hidden @ w_gate) (Qwen2-MoE)."""
+    moe_layer_freq: int | list[int] = 1
+    """int k: every k-th layer is MoE; list: 1 for MoE, 0 for dense, one entry per layer."""
+    first_k_dense_replace: int = 0
+    """The first k layers are dense whatever moe_layer_freq says (DeepSeek-V3's name; Megatron has none)."""
+    moe_grouped_gemm: bool = True
+    """GroupedMLP (one grouped GEMM per linear) if True, else SequentialMLP (per-expert loop)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """One of DISPATCHER_TYPES."""
+
+    # --- router ---
+    moe_router_score_function: str = "softmax"
+    """softmax or sigmoid."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-k (Mixtral keeps False: top-k then softmax)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiply the selected probs by this (DeepSeek-V3: 2.5)."""
+    moe_router_num_groups: int | None = None
+    """Expert groups for group-limited routing (DeepSeek-V3: 8)."""
+    moe_router_group_topk: int | None = None
+    """Groups each token may use (DeepSeek-V3: 4)."""
+    moe_router_dtype: str | None = "fp32"
+    """Precision of the router logits and probs: fp32, fp64 or None (the input's)."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing: a per-expert bias added to scores for selection only (DeepSeek-V3)."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert-bias update, bias += rate * sign(mean_load - load)."""
+    moe_router_load_balancing_type: str | list[str] = "aux_loss"
+    """aux_loss, seq_aux_loss, global_aux_loss, none, or a list of them."""
+    moe_aux_loss_coeff: float | list[float] = 0.0
+    """Coefficient of each load-balancing loss (a list matching the type list)."""
+    moe_z_loss_coeff: float | None = None
+    """Router z-loss coefficient (ST-MoE); None disables it."""
+    moe_input_jitter_eps: float | None = None
+    """Multiply router input by U(1 - eps, 1 + eps) in training (Switch Transformer)."""
+    moe_expert_capacity_factor: float | None = None
+    """Capacity per expert = factor * tokens * topk / experts; None: no dropping."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor, pad every expert to its capacity (static shapes, drop_and_pad)."""
+    moe_token_drop_policy: str = "probs"
+    """Which tokens an over-full expert keeps: highest probs, or earliest position."""
+
+    # --- parallelism ---
+    expert_model_parallel_size: int = 1
+    """EP size: ranks over which the experts are split."""
+    tensor_model_parallel_size: int = 1
+    """TP size (only 1 is implemented)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+            _positive_int(self, name)
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        _positive_int(self, "num_query_groups")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_query_groups ({self.num_query_groups})"
+            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}) when kv_channels is not given"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        _positive_int(self, "kv_channels")
+        if self.kv_channels % 2:
+            raise ValueError(f"kv_channels must be even for RoPE, got {self.kv_channels}")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        _positive_int(self, "ffn_hidden_size")
+        _choice(self, "activation_func", ACTIVATIONS)
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
+        self._validate_moe()
+        self._validate_router()
+        _positive_int(self, "expert_model_parallel_size")
+        if self.tensor_model_parallel_size != 1:
+            raise ValueError(
+                f"tensor_model_parallel_size: only 1 is implemented, got {self.tensor_model_parallel_size}"
+            )
+
+    def _validate_moe(self) -> None:
+        if self.num_moe_experts is None:
+            return
+        _positive_int(self, "num_moe_experts")
+        _positive_int(self, "moe_router_topk")
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(
+                f"moe_router_topk ({self.moe_router_topk}) must be <= num_moe_experts ({self.num_moe_experts})"
+            )
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        _positive_int(self, "moe_ffn_hidden_size")
+        if self.moe_shared_expert_intermediate_size is not None:
+            _positive_int(self, "moe_shared_expert_intermediate_size")
+        if isinstance(self.moe_layer_freq, list):
+            if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
+                raise ValueError(
+                    f"moe_layer_freq: expected a list of {self.num_layers} zeros and ones, got {self.moe_layer_freq}"
+                )
+        elif not isinstance(self.moe_layer_freq, int) or self.moe_layer_freq < 1:
+            raise ValueError(f"moe_layer_freq: expected an int >= 1 or a list, got {self.moe_layer_freq!r}")
+        if not 0 <= self.first_k_dense_replace <= self.num_layers:
+            raise ValueError(
+                f"first_k_dense_replace must be in [0, num_layers={self.num_layers}], got {self.first_k_dense_replace}"
+            )
+        _choice(self, "moe_token_dispatcher_type", DISPATCHER_TYPES)
+        if self.num_moe_experts % self.expert_model_parallel_size:
+            raise ValueError(
+                f"num_moe_experts ({self.num_moe_experts}) must be divisible by "
+                f"expert_model_parallel_size ({self.expert_model_parallel_size})"
+            )
+
+    def _validate_router(self) -> None:
+        if self.num_moe_experts is None:
+            return
+        _choice(self, "moe_router_score_function", SCORE_FUNCTIONS)
+        _choice(self, "moe_router_dtype", ROUTER_DTYPES)
+        _choice(self, "moe_token_drop_policy", TOKEN_DROP_POLICIES)
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise ValueError("moe_router_pre_softmax requires moe_router_score_function='softmax'")
+        if (self.moe_router_num_groups is None) != (self.moe_router_group_topk is None):
+            raise ValueError("moe_router_num_groups and moe_router_group_topk must be given together")
+        if self.moe_router_num_groups is not None:
+            _positive_int(self, "moe_router_num_groups")
+            _positive_int(self, "moe_router_group_topk")
+            if self.num_moe_experts % self.moe_router_num_groups:
+                raise ValueError(
+                    f"num_moe_experts ({self.num_moe_experts}) must be divisible by "
+                    f"moe_router_num_groups ({self.moe_router_num_groups})"
+                )
+            if self.moe_router_group_topk > self.moe_router_num_groups:
+                raise ValueError(
+                    f"moe_router_group_topk ({self.moe_router_group_topk}) must be <= "
+                    f"moe_router_num_groups ({self.moe_router_num_groups})"
+                )
+            per_group = self.num_moe_experts // self.moe_router_num_groups
+            if self.moe_router_topk > self.moe_router_group_topk * per_group:
+                raise ValueError(
+                    f"moe_router_topk ({self.moe_router_topk}) exceeds the experts reachable in "
+                    f"moe_router_group_topk groups ({self.moe_router_group_topk} x {per_group})"
+                )
+        types = self.moe_router_load_balancing_type
+        coeffs = self.moe_aux_loss_coeff
+        types_list = types if isinstance(types, list) else [types]
+        coeffs_list = coeffs if isinstance(coeffs, list) else [coeffs]
+        for t in types_list:
+            if t not in LOAD_BALANCING_TYPES:
+                raise ValueError(
+                    f"moe_router_load_balancing_type: expected entries of {LOAD_BALANCING_TYPES}, got {t!r}"
+                )
+        if isinstance(types, list) != isinstance(coeffs, list) or len(types_list) != len(coeffs_list):
+            raise ValueError(
+                "moe_aux_loss_coeff must be a float when moe_router_load_balancing_type is a string and a "
+                f"list of the same length when it is a list; got {types!r} and {coeffs!r}"
+            )
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
+            raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor}")
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise ValueError("moe_pad_expert_input_to_capacity requires moe_expert_capacity_factor")
+
+    # --- derived ---
+    @property
+    def gated_linear_unit(self) -> bool:
+        """True when the activation is gated (fc1 produces two halves)."""
+        return self.activation_func in GATED_ACTIVATIONS
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts held by one EP rank."""
+        return (self.num_moe_experts or 0) // self.expert_model_parallel_size
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether 0-based ``layer_number`` is an MoE layer (moe_layer_freq, then first_k_dense_replace)."""
+        if self.num_moe_experts is None or layer_number < self.first_k_dense_replace:
+            return False
+        if isinstance(self.moe_layer_freq, list):
+            return bool(self.moe_layer_freq[layer_number])
+        return layer_number % self.moe_layer_freq == 0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
+        """Build from a mapping; unknown keys raise ``ValueError`` naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown TransformerConfig fields: {unknown}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> TransformerConfig:
+        """Load the ``model:`` section of a YAML file (or the whole file), then apply ``overrides``."""
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        values = dict(data.get("model", data))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.from_dict(values)
+
+
+def _positive_int(cfg: TransformerConfig, name: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected int, got {type(value).__name__} ({value!r})")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive int, got {value}")
+
+
+def _choice(cfg: TransformerConfig, name: str, choices: tuple) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+
+
+__all__ = ["TransformerConfig", "ACTIVATIONS", "GATED_ACTIVATIONS"]

@@ -1,0 +1,65 @@
+"""Builds moe_core._C from csrc/: the C++ CPU kernels always, the CUDA kernels when torch has CUDA and nvcc exists.
+
+MOE_CORE_CUDA=1 forces the CUDA build (fails without nvcc), MOE_CORE_CUDA=0 skips it.
+CUTLASS headers come from the installed ``nvidia-cutlass`` wheel, or from ``CUTLASS_PATH``.
+Install with ``pip install --no-build-isolation -e .`` so the build uses the torch already installed.
+"""
+
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+import torch
+
+
+def _want_cuda() -> bool:
+    flag = os.environ.get("MOE_CORE_CUDA")
+    if flag is not None:
+        return flag == "1"
+    return torch.version.cuda is not None and shutil.which("nvcc") is not None
+
+
+def _cutlass_include() -> list[str]:
+    root = os.environ.get("CUTLASS_PATH")
+    if root is None:
+        try:
+            import cutlass_library  # the nvidia-cutlass wheel ships its headers beside this package
+
+            root = os.path.join(os.path.dirname(cutlass_library.__file__), "source")
+        except ImportError:
+            return []
+    return [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
+
+
+def _extension():
+    cxx_flags = ["-O3", "-std=c++17"]
+    sources = sorted(glob.glob("csrc/*.cpp"))
+    if not _want_cuda():
+        return CppExtension("moe_core._C", sources, extra_compile_args={"cxx": cxx_flags + ["-fopenmp"]},
+                            extra_link_args=["-fopenmp"])
+    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    nvcc_flags = [
+        "-O3", "-std=c++17", "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_89,code=sm_89",
+        "-gencode=arch=compute_90a,code=sm_90a",
+    ]
+    return CUDAExtension(
+        "moe_core._C", sources + cuda_sources,
+        include_dirs=[os.path.abspath("csrc")] + _cutlass_include(),
+        define_macros=[("MOE_CORE_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags + ["-fopenmp"], "nvcc": nvcc_flags},
+        extra_link_args=["-fopenmp"],
+    )
+
+
+setup(
+    name="moe_core",
+    version="0.1.0",
+    description="Empty-group-safe grouped GEMM, token dispatch and grouped MLP for Mixture-of-Experts training",
+    packages=find_packages(include=["moe_core", "moe_core.*"]),
+    python_requires=">=3.10",
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
+)
