@@ -34,14 +34,14 @@ def _cutlass_include() -> list[str]:
 
 
 def _extension():
-    cxx_flags = ["-O3", "-std=c++17"]
+    cxx_flags = ["-O3"]  # torch.utils.cpp_extension picks the C++ standard torch was built with
     sources = sorted(glob.glob("csrc/*.cpp"))
     if not _want_cuda():
         return CppExtension("moe_core._C", sources, extra_compile_args={"cxx": cxx_flags + ["-fopenmp"]},
                             extra_link_args=["-fopenmp"])
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
     nvcc_flags = [
-        "-O3", "-std=c++17", "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
+        "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
         "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_89,code=sm_89",
         "-gencode=arch=compute_90a,code=sm_90a",
     ]

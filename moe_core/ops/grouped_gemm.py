@@ -1,10 +1,153 @@
-"""TEMPORARY stub (the ops work replaces this file): same signature, pure-PyTorch implementation."""
+"""The grouped GEMM op: argument checks, fake kernels and autograd around ``torch.ops.moe_core.*``.
+
+Legend: T routed rows (expert-major), K reduction width, N output width, E experts.
+
+Layers (as in tgale96/grouped_gemm): the C++/CUDA kernels in ``csrc/`` compute one product each;
+``grouped_gemm`` checks its arguments and calls the custom op; autograd reuses the same kernels, the forward
+one with the weight transposed for dgrad and ``grouped_gemm_wgrad`` for wgrad. Fake kernels make the ops
+traceable by ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
 
 import torch
 
-from moe_core.ops.reference import grouped_gemm_ref
+import moe_core._C  # noqa: F401  (registers torch.ops.moe_core.*)
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_COUNT_DTYPES = (torch.int32, torch.int64)
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor, *,
-                 trans_weight: bool = False) -> torch.Tensor:
-    return grouped_gemm_ref(x, weight, tokens_per_expert, trans_weight) if x.shape[0] else x.new_zeros(0, weight.shape[1] if trans_weight else weight.shape[2]) + 0 * weight.sum()
+                 trans_weight: bool = False, gradient_accumulation_fusion: bool = False) -> torch.Tensor:
+    """``y[rows of e] = x[rows of e] @ weight[e]`` for every expert e, in one call.
+
+    Args:
+        x: ``[T, K]`` float32, bfloat16 or float16; rows grouped by expert, expert 0 first.
+        weight: ``[E, K, N]``, or ``[E, N, K]`` with ``trans_weight`` (then ``weight[e]^T`` is used); x's dtype
+            and device.
+        tokens_per_expert: ``[E]`` int32/int64 on any device, rows of each expert, summing to T. Zeros are
+            fine anywhere (all zero, T == 0).
+        trans_weight: see ``weight``.
+        gradient_accumulation_fusion: Megatron's fusion: when ``weight`` carries a float32 ``main_grad``
+            of its shape, backward adds the weight gradient into ``weight.main_grad`` and hands autograd a zero
+            gradient (so the weight's hooks still fire), setting ``weight.grad_added_to_main_grad = True``.
+    Returns:
+        ``[T, N]`` in x's dtype; bf16/fp16 accumulate in float32. Every row is written.
+    Backward:
+        dgrad ``dx = grouped_gemm(dy, weight, trans_weight=not trans_weight)``; wgrad ``dweight[e] = x_e^T dy_e``,
+        exactly zero for an expert without rows and never None, also when T == 0.
+    Raises:
+        TypeError: a non-tensor argument, float counts, unsupported or mismatched dtypes.
+        ValueError: wrong ranks, K or E mismatch, device mismatch, negative counts or counts not summing to T.
+            The counts' values are checked only when they live on the CPU: reading GPU counts would sync.
+    """
+    check_grouped_gemm_args(x, weight, tokens_per_expert, trans_weight)
+    counts = tokens_per_expert if tokens_per_expert.device == x.device else tokens_per_expert.to(x.device)
+    if gradient_accumulation_fusion:
+        return _GroupedGemmMainGrad.apply(x, weight, counts, trans_weight)
+    return torch.ops.moe_core.grouped_gemm(x, weight, counts, trans_weight)
+
+
+def check_grouped_gemm_args(x, weight, tokens_per_expert, trans_weight: bool) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument when the inputs break the op's contract."""
+    for name, value in (("x", x), ("weight", weight), ("tokens_per_expert", tokens_per_expert)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [T, K], got shape {tuple(x.shape)}")
+    if weight.dim() != 3:
+        raise ValueError(f"weight: expected [E, K, N] (or [E, N, K] with trans_weight), got shape {tuple(weight.shape)}")
+    if tokens_per_expert.dim() != 1:
+        raise ValueError(f"tokens_per_expert: expected [E], got shape {tuple(tokens_per_expert.shape)}")
+    if tokens_per_expert.dtype not in _COUNT_DTYPES:
+        raise TypeError(f"tokens_per_expert: expected int32 or int64, got {tokens_per_expert.dtype}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"x: expected one of {_FLOAT_DTYPES}, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight: expected x's dtype {x.dtype}, got {weight.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"weight: expected x's device {x.device}, got {weight.device}")
+    k = weight.shape[2] if trans_weight else weight.shape[1]
+    if x.shape[1] != k:
+        raise ValueError(
+            f"x: expected K = {k} columns to match weight {tuple(weight.shape)} (trans_weight={trans_weight}), "
+            f"got {x.shape[1]}"
+        )
+    if tokens_per_expert.shape[0] != weight.shape[0]:
+        raise ValueError(f"tokens_per_expert: expected E = {weight.shape[0]} entries (weight's E), got {tokens_per_expert.shape[0]}")
+    if tokens_per_expert.device.type == "cpu" and not _is_tracing():
+        if bool((tokens_per_expert < 0).any()):
+            raise ValueError(f"tokens_per_expert: expected non-negative counts, got {tokens_per_expert.tolist()}")
+        total = int(tokens_per_expert.sum())
+        if total != x.shape[0]:
+            raise ValueError(f"tokens_per_expert: counts sum to {total}, expected T = {x.shape[0]} (x's rows)")
+
+
+def _is_tracing() -> bool:
+    return torch.compiler.is_compiling()
+
+
+@torch.library.register_fake("moe_core::grouped_gemm")
+def _grouped_gemm_fake(x, weight, tokens_per_expert, trans_weight):
+    n = weight.shape[1] if trans_weight else weight.shape[2]
+    return x.new_empty(x.shape[0], n)
+
+
+@torch.library.register_fake("moe_core::grouped_gemm_wgrad")
+def _grouped_gemm_wgrad_fake(x, dy, tokens_per_expert, trans_weight):
+    e, k, n = tokens_per_expert.shape[0], x.shape[1], dy.shape[1]
+    return x.new_empty(e, n, k) if trans_weight else x.new_empty(e, k, n)
+
+
+@torch.library.register_fake("moe_core::grouped_gemm_wgrad_accum_")
+def _grouped_gemm_wgrad_accum_fake(main_grad, x, dy, tokens_per_expert, trans_weight):
+    return None
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, tokens_per_expert, trans_weight = inputs
+    ctx.save_for_backward(x, weight, tokens_per_expert)
+    ctx.trans_weight = trans_weight
+
+
+def _backward(ctx, grad_out):
+    x, weight, tokens_per_expert = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    dx = dw = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.moe_core.grouped_gemm(grad_out, weight, tokens_per_expert, not ctx.trans_weight)
+    if ctx.needs_input_grad[1]:
+        dw = torch.ops.moe_core.grouped_gemm_wgrad(x, grad_out, tokens_per_expert, ctx.trans_weight)
+    return dx, dw, None, None
+
+
+torch.library.register_autograd("moe_core::grouped_gemm", _backward, setup_context=_setup_context)
+
+
+class _GroupedGemmMainGrad(torch.autograd.Function):
+    """grouped_gemm whose wgrad accumulates into ``weight.main_grad`` (Megatron's gradient_accumulation_fusion)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, tokens_per_expert, trans_weight):
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is None or main_grad.dtype != torch.float32 or main_grad.shape != weight.shape:
+            raise ValueError(
+                "weight.main_grad: gradient_accumulation_fusion needs a float32 main_grad of shape "
+                f"{tuple(weight.shape)}, got {None if main_grad is None else (main_grad.dtype, tuple(main_grad.shape))}"
+            )
+        ctx.save_for_backward(x, weight, tokens_per_expert)
+        ctx.trans_weight = trans_weight
+        return torch.ops.moe_core.grouped_gemm(x, weight, tokens_per_expert, trans_weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, tokens_per_expert = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dx = torch.ops.moe_core.grouped_gemm(grad_out, weight, tokens_per_expert, not ctx.trans_weight)
+        torch.ops.moe_core.grouped_gemm_wgrad_accum_(weight.main_grad, x, grad_out, tokens_per_expert, ctx.trans_weight)
+        weight.grad_added_to_main_grad = True
+        return dx, torch.zeros_like(weight), None, None
+
+
+__all__ = ["grouped_gemm", "check_grouped_gemm_args"]

@@ -1,0 +1,20 @@
+// Grouped GEMM shared declarations: the op contract and its boundary checks, used by the CPU and CUDA kernels.
+//
+// Contract (T routed rows, K reduction width, N output width, E experts):
+//   grouped_gemm(x [T, K], weight [E, K, N] or [E, N, K] if trans_weight, tokens_per_expert [E]) -> y [T, N]
+//     y[rows of e] = x[rows of e] @ weight[e]  (weight[e]^T when trans_weight); rows are expert-major.
+//   grouped_gemm_wgrad(x [T, K], dy [T, N], tokens_per_expert [E], trans_weight) -> dw [E, K, N] ([E, N, K])
+//     dw[e] = x_e^T @ dy_e, exactly zero for an expert without rows.
+//   grouped_gemm_wgrad_accum_(main_grad fp32 [E, K, N] ([E, N, K]), x, dy, tokens_per_expert, trans_weight)
+//     main_grad[e] += x_e^T @ dy_e (Megatron's gradient_accumulation_fusion); empty experts add nothing.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace moe_core {
+
+// Checks shared by every backend; the Python wrapper raises friendlier errors first, these guard direct calls.
+void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& tokens_per_expert);
+void check_wgrad_inputs(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& tokens_per_expert);
+
+}  // namespace moe_core

@@ -1,0 +1,24 @@
+"""Rotary position embedding (Su et al. 2021, RoFormer), the rotate-half form used by GPT-NeoX, Llama and Megatron."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``, ``sin`` ``[S, D]`` float32 for positions 0..S-1: frequency ``base^(-2i/D)`` for pair i."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # [S, D/2]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, heads, S, D]`` by position: ``x * cos + rotate_half(x) * sin`` (computed in float32)."""
+    x = x_BNSD.float()
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x * cos_SD + rotated * sin_SD).to(x_BNSD.dtype)
+
+
+__all__ = ["rope_cos_sin", "apply_rope"]

@@ -1,0 +1,69 @@
+"""MoELayer (Megatron's ``MoELayer``): router -> dispatch -> experts -> combine (+ shared expert).
+
+Legend: B batch, S sequence, N = B * S tokens, H hidden, E experts, R routed rows on this rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe_core.config import TransformerConfig
+from moe_core.moe.experts import GroupedMLP, SequentialMLP
+from moe_core.moe.router import TopKRouter
+from moe_core.moe.shared_experts import SharedExpertMLP
+from moe_core.moe.token_dispatcher import build_token_dispatcher
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts MLP block: ``out = combine(experts(dispatch(x))) + shared_experts(x)``, where each
+    token's routed part is ``sum over its experts e of probs[e] * expert_e(x)``.
+
+    Args:
+        config: the MoE fields of ``TransformerConfig``; ``moe_grouped_gemm`` picks ``GroupedMLP`` (default)
+            or ``SequentialMLP``.
+        pg_collection: ``moe_core.parallel.ProcessGroupCollection`` for expert parallelism; None (or EP size
+            1) keeps every expert on this rank with ``MoELocalTokenDispatcher``, otherwise
+            ``moe_token_dispatcher_type`` picks the EP dispatcher (``build_token_dispatcher``). The router's
+            global aux loss sums its counts over ``pg_collection.dp``.
+    Raises:
+        ValueError: ``num_moe_experts`` is None or not divisible by the EP size.
+
+    Attributes: ``router``, ``token_dispatcher``, ``experts`` (this rank's ``num_local_experts``),
+    ``shared_experts`` (or None).
+    """
+
+    def __init__(self, config: TransformerConfig, pg_collection=None):
+        super().__init__()
+        if config.num_moe_experts is None:
+            raise ValueError("config.num_moe_experts: MoELayer needs experts, got None")
+        self.config = config
+        ep_size = 1 if pg_collection is None else pg_collection.ep_size
+        if config.num_moe_experts % ep_size:
+            raise ValueError(f"num_moe_experts ({config.num_moe_experts}) must be divisible by the EP size ({ep_size})")
+        self.num_local_experts = config.num_moe_experts // ep_size
+        self.router = TopKRouter(config, tp_dp_group=None if pg_collection is None else pg_collection.dp)
+        self.token_dispatcher = build_token_dispatcher(config, pg_collection)
+        experts_cls = GroupedMLP if config.moe_grouped_gemm else SequentialMLP
+        self.experts = experts_cls(self.num_local_experts, config)
+        self.shared_experts = SharedExpertMLP(config) if config.moe_shared_expert_intermediate_size else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[B, S, H]`` (or ``[N, H]``, or any ``[..., H]``) -> the same shape and dtype.
+
+        Raises:
+            ValueError: the last dimension is not ``hidden_size``.
+        """
+        if hidden.dim() < 1 or hidden.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"hidden: expected [..., {self.config.hidden_size}], got {tuple(hidden.shape)}")
+        hidden_NH = hidden.reshape(-1, hidden.shape[-1])
+        # The router takes [B, S, H] as is: its sequence aux loss needs the sequence boundaries.
+        probs, routing_map = self.router(hidden if hidden.dim() == 3 else hidden_NH)
+        permuted, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(hidden_NH, probs, routing_map)
+        expert_output, _ = self.experts(permuted, tokens_per_expert, permuted_probs)
+        output = self.token_dispatcher.combine(expert_output, meta)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden_NH)
+        return output.view(hidden.shape)
+
+__all__ = ["MoELayer"]

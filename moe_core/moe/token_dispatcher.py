@@ -1,0 +1,164 @@
+"""Token dispatchers: the interface, the single-rank implementation and the factory.
+
+Legend: N tokens, H hidden, E experts, E_local experts on this rank, R rows the local experts receive.
+
+Every dispatcher has the contract of docs/design.md: ``dispatch(hidden [N, H], probs [N, E], routing_map
+[N, E]) -> (permuted_hidden [R, H], tokens_per_expert [E_local] int64, permuted_probs [R] float32, meta)`` and
+``combine(expert_output [R, H], meta) -> [N, H]``, ``meta`` a frozen dataclass. The expert-parallel ones
+(``MoEAlltoAllTokenDispatcher``, ``MoEAllGatherTokenDispatcher``) live in their own files,
+``token_dispatcher_alltoall.py`` and ``token_dispatcher_allgather.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_core.config import TransformerConfig
+from moe_core.moe.moe_utils import get_capacity, permute, unpermute
+
+
+class MoETokenDispatcher(abc.ABC):
+    """Moves routed token rows to the experts that hold them and back (Megatron's ``MoETokenDispatcher``).
+
+    Subclasses implement ``dispatch`` and ``combine``; every rank must issue the same collectives in the same
+    order whatever the routing (a rank whose experts get no rows still takes part).
+
+    Args:
+        config: ``num_moe_experts``, ``moe_router_topk``, ``moe_expert_capacity_factor``,
+            ``moe_pad_expert_input_to_capacity``.
+    Raises:
+        ValueError: ``config.num_moe_experts`` is None.
+    """
+
+    def __init__(self, config: TransformerConfig):
+        if config.num_moe_experts is None:
+            raise ValueError("config.num_moe_experts: a token dispatcher needs experts, got None")
+        self.config = config
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
+
+    @abc.abstractmethod
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """``hidden [N, H]``, ``probs [N, E]`` float (0 where not routed), ``routing_map [N, E]`` bool ->
+        ``(permuted_hidden [R, H], tokens_per_expert [E_local] int64 on hidden's device, permuted_probs [R]
+        float32, meta)``, rows grouped by local expert."""
+
+    @abc.abstractmethod
+    def combine(self, expert_output: torch.Tensor, meta: Any) -> torch.Tensor:
+        """``expert_output [R, H]`` (probs already applied) -> ``[N, H]``, each token the sum of its rows."""
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Rows per expert under drop_and_pad for ``num_tokens`` local tokens, else None."""
+        if not self.drop_and_pad:
+            return None
+        return get_capacity(num_tokens * self.topk, self.num_experts, self.config.moe_expert_capacity_factor)
+
+    def num_out_tokens(self, num_tokens: int) -> int | None:
+        """Rows ``permute`` produces from ``num_tokens`` tokens when that is known without a host sync.
+
+        ``E * capacity`` with drop_and_pad; ``N * topk`` when nothing is dropped (the router gives every
+        token exactly topk experts); None when a capacity factor drops a data-dependent number of rows.
+        """
+        if self.drop_and_pad:
+            return self.capacity(num_tokens) * self.num_experts
+        if self.config.moe_expert_capacity_factor is None:
+            return num_tokens * self.topk
+        return None
+
+
+@dataclass(frozen=True)
+class LocalDispatchMeta:
+    """What ``MoELocalTokenDispatcher.combine`` needs.
+
+    Attributes:
+        sorted_indices: ``[R]`` int64, the token of each permuted row (from ``permute``).
+        restore_shape: ``(N, H)`` of the dispatched hidden states.
+    """
+
+    sorted_indices: torch.Tensor
+    restore_shape: torch.Size
+
+
+class MoELocalTokenDispatcher(MoETokenDispatcher):
+    """Single-rank dispatcher (EP size 1): permute into expert-major rows, unpermute by scatter-add.
+
+    No collective. Host syncs: none when nothing is dropped or with drop_and_pad; with a capacity factor
+    and no padding, ``permute`` syncs once to size its data-dependent output.
+    """
+
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LocalDispatchMeta]:
+        """See ``MoETokenDispatcher.dispatch``; here E_local = E.
+
+        Raises:
+            ValueError / TypeError: shapes or dtypes do not fit; without a capacity factor, a token with other
+                than topk experts (checked on the CPU only).
+        """
+        check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
+        num_tokens = hidden.shape[0]
+        permuted, permuted_probs, sorted_indices = permute(
+            hidden, routing_map, probs, num_out_tokens=self.num_out_tokens(num_tokens), drop_and_pad=self.drop_and_pad
+        )
+        if self.drop_and_pad:
+            tokens_per_expert = torch.full(
+                (self.num_experts,), self.capacity(num_tokens), dtype=torch.int64, device=hidden.device
+            )
+        else:
+            tokens_per_expert = routing_map.sum(dim=0)
+        meta = LocalDispatchMeta(sorted_indices, hidden.shape)
+        return permuted, tokens_per_expert, permuted_probs.float(), meta
+
+    def combine(self, expert_output: torch.Tensor, meta: LocalDispatchMeta) -> torch.Tensor:
+        """See ``MoETokenDispatcher.combine``."""
+        return unpermute(expert_output, meta.sorted_indices, meta.restore_shape)
+
+
+def check_dispatch_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                          num_experts: int) -> None:
+    """Raise ``ValueError``/``TypeError`` unless hidden is ``[N, H]``, probs ``[N, E]`` float and routing_map
+    ``[N, E]`` bool."""
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden: expected [N, H], got shape {tuple(hidden.shape)}")
+    expected = (hidden.shape[0], num_experts)
+    if tuple(probs.shape) != expected or tuple(routing_map.shape) != expected:
+        raise ValueError(
+            f"probs and routing_map: expected shape {expected}, got {tuple(probs.shape)} and "
+            f"{tuple(routing_map.shape)}"
+        )
+    if not probs.is_floating_point():
+        raise TypeError(f"probs: expected a floating dtype, got {probs.dtype}")
+    if routing_map.dtype != torch.bool:
+        raise TypeError(f"routing_map: expected torch.bool, got {routing_map.dtype}")
+
+
+def build_token_dispatcher(config: TransformerConfig, pg_collection=None) -> MoETokenDispatcher:
+    """The single-rank dispatcher when EP size is 1, else the one named by ``config.moe_token_dispatcher_type``.
+
+    Args:
+        config: num_moe_experts, moe_token_dispatcher_type, capacity fields.
+        pg_collection: ``moe_core.parallel.ProcessGroupCollection``; None: one rank holds every expert.
+    """
+    ep_size = 1 if pg_collection is None else pg_collection.ep_size
+    if ep_size == 1:
+        return MoELocalTokenDispatcher(config)
+    # Imported here: the EP dispatchers subclass MoETokenDispatcher from this module.
+    from moe_core.moe.token_dispatcher_allgather import MoEAllGatherTokenDispatcher
+    from moe_core.moe.token_dispatcher_alltoall import MoEAlltoAllTokenDispatcher
+
+    cls = {"alltoall": MoEAlltoAllTokenDispatcher, "allgather": MoEAllGatherTokenDispatcher}[
+        config.moe_token_dispatcher_type
+    ]
+    return cls(config.num_moe_experts // ep_size, pg_collection.local_expert_indices(config.num_moe_experts),
+               config, pg_collection)
+
+
+__all__ = [
+    "MoETokenDispatcher", "MoELocalTokenDispatcher", "LocalDispatchMeta", "check_dispatch_inputs",
+    "build_token_dispatcher",
+]

@@ -1,0 +1,81 @@
+"""All-gather token dispatcher for expert parallelism (Megatron-LM's ``MoEAllGatherTokenDispatcher``).
+
+N local tokens (the same N on every EP rank), H hidden, E experts, L = E / ep local experts.
+
+dispatch:  all-gather hidden [N, H], probs [N, E], routing_map [N, E] over EP -> [ep * N, ...]
+           keep the local experts' columns, permute                          -> [R, H] grouped by local expert
+combine:   unpermute (scatter-add) into [ep * N, H], sum reduce-scatter      -> [N, H]
+
+Row order inside an expert is (source rank, token index), the same as ``MoEAlltoAllTokenDispatcher``, so
+both feed the experts identical inputs. Three all-gathers in dispatch and one reduce-scatter in combine on
+every rank (mirrors in backward); tokens_per_expert stays on the device, so the dispatcher itself needs no
+host sync (``permute`` may, to size its output).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_core.moe.moe_utils import get_capacity, permute, unpermute
+from moe_core.moe.token_dispatcher_alltoall import check_dispatch_inputs, check_local_experts
+from moe_core.parallel.collectives import all_gather_first_dim, group_size, reduce_scatter_first_dim
+
+
+@dataclass(frozen=True)
+class AllGatherDispatchMeta:
+    """What ``combine`` needs: the gathered token index of each permuted row and the gathered shape."""
+
+    sorted_indices: torch.Tensor
+    gathered_shape: torch.Size
+
+
+class MoEAllGatherTokenDispatcher:
+    """Same arguments and contract as ``MoEAlltoAllTokenDispatcher``; every EP rank must pass the same N."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
+        self.config = config
+        self.ep_group = None if pg_collection is None else pg_collection.ep
+        self.ep_size = group_size(self.ep_group)
+        self.num_experts = config.num_moe_experts
+        self.num_local_experts = num_local_experts
+        check_local_experts(num_local_experts, local_expert_indices, self.num_experts, pg_collection)
+        self.local_expert_indices = list(local_expert_indices)
+        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
+
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """See ``MoEAlltoAllTokenDispatcher.dispatch``."""
+        check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
+        first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
+        gathered = all_gather_first_dim(hidden, self.ep_group)  # [ep * N, H]
+        local_probs = all_gather_first_dim(probs.float(), self.ep_group)[:, first:last]  # [ep * N, L]
+        local_map = all_gather_first_dim(routing_map, self.ep_group)[:, first:last]  # [ep * N, L]
+        num_out_tokens = None
+        if self.drop_and_pad:
+            # Each source rank padded every expert to its own capacity; the local experts see ep of them.
+            capacity = get_capacity(
+                hidden.shape[0] * self.config.moe_router_topk, self.num_experts,
+                self.config.moe_expert_capacity_factor,
+            )
+            num_out_tokens = capacity * self.ep_size * self.num_local_experts
+        permuted, permuted_probs, sorted_indices = permute(
+            gathered, local_map, probs=local_probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad
+        )
+        if self.drop_and_pad:
+            tokens_per_expert = torch.full(
+                (self.num_local_experts,), num_out_tokens // self.num_local_experts, dtype=torch.int64,
+                device=hidden.device,
+            )
+        else:
+            tokens_per_expert = local_map.sum(dim=0).to(torch.int64)
+        meta = AllGatherDispatchMeta(sorted_indices, gathered.shape)
+        return permuted, tokens_per_expert, permuted_probs.float(), meta
+
+    def combine(self, expert_output: torch.Tensor, meta: AllGatherDispatchMeta) -> torch.Tensor:
+        """Scatter-add ``expert_output`` [R, H] into the gathered tokens, then keep this rank's [N, H] sum."""
+        out = unpermute(expert_output, meta.sorted_indices, meta.gathered_shape)
+        return reduce_scatter_first_dim(out, self.ep_group)
+
+
+__all__ = ["MoEAllGatherTokenDispatcher", "AllGatherDispatchMeta"]

@@ -1,0 +1,202 @@
+"""All-to-all token dispatcher for expert parallelism (Megatron-LM's ``MoEAlltoAllTokenDispatcher``).
+
+N local tokens, H hidden, E experts, L = E / ep local experts, R_s rows this rank sends (N * topk before
+dropping), R rows this rank's experts receive.
+
+dispatch:  permute [N, H] -> [R_s, H] grouped by global expert (so by destination EP rank)
+           exchange the per-expert counts (all-to-all of E ints)
+           all_to_all with split sizes                       -> [R, H] grouped by (source rank, local expert)
+           sort chunks by local expert                       -> [R, H] grouped by (local expert, source rank)
+combine:   the mirror image: unsort -> reverse all_to_all -> unpermute (scatter-add) -> [N, H]
+
+Every rank issues the same collectives in the same order whatever the routing: one count exchange, one
+all-to-all for the hidden rows and one for the probs in dispatch, one all-to-all in combine, and the
+mirrors in backward, including a rank that sends or receives zero rows. With ``drop_and_pad`` the split sizes
+are static and there is no host sync at all; otherwise the single host sync of the step (Megatron's
+``preprocess``) is ``_split_sizes_to_host``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moe_core.moe.moe_utils import get_capacity, permute, unpermute
+from moe_core.parallel.collectives import all_to_all, group_size
+
+
+@dataclass(frozen=True)
+class AlltoAllDispatchMeta:
+    """What ``combine`` needs to undo ``dispatch``.
+
+    Attributes:
+        sorted_indices: ``[R_s]`` int64, the local token index of each permuted row (from ``permute``).
+        restore_shape: ``(N, H)`` of the dispatched hidden states.
+        input_splits / output_splits: rows sent to / received from each EP rank (host ints).
+        chunk_sizes: rows received per (source rank, local expert), source-major; ``None`` with drop_and_pad.
+        capacity: per-expert capacity with drop_and_pad, else ``None``.
+    """
+
+    sorted_indices: torch.Tensor
+    restore_shape: torch.Size
+    input_splits: tuple[int, ...]
+    output_splits: tuple[int, ...]
+    chunk_sizes: tuple[int, ...] | None
+    capacity: int | None
+
+
+def sort_chunks_by_idxs(x: torch.Tensor, chunk_sizes: list[int], order: list[int]) -> torch.Tensor:
+    """Split ``x`` [R, ...] into chunks of ``chunk_sizes`` rows and concatenate them in ``order``.
+
+    Megatron's ``sort_chunks_by_idxs``; differentiable (split + cat).
+    """
+    chunks = torch.split(x, chunk_sizes, dim=0)
+    return torch.cat([chunks[i] for i in order], dim=0)
+
+
+class MoEAlltoAllTokenDispatcher:
+    """Token dispatcher that exchanges routed rows between EP ranks with all_to_all_single.
+
+    Args:
+        num_local_experts: L, experts held by this rank.
+        local_expert_indices: the L global expert ids held here, contiguous
+            (``ep_rank * L + [0, L)``, see ``ProcessGroupCollection.local_expert_indices``).
+        config: ``TransformerConfig`` (num_moe_experts, moe_router_topk, capacity fields).
+        pg_collection: ``ProcessGroupCollection``; ``None`` means one rank holding every expert.
+    Raises:
+        ValueError: the local experts are not this rank's contiguous block of ``num_moe_experts / ep``.
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
+        self.config = config
+        self.ep_group = None if pg_collection is None else pg_collection.ep
+        self.ep_size = group_size(self.ep_group)
+        self.num_experts = config.num_moe_experts
+        self.num_local_experts = num_local_experts
+        check_local_experts(num_local_experts, local_expert_indices, self.num_experts, pg_collection)
+        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
+        # Received chunks are source-major; experts want them expert-major.
+        ep, num_local = self.ep_size, num_local_experts
+        self._sort_order = [s * num_local + e for e in range(num_local) for s in range(ep)]
+        self._unsort_order = [e * ep + s for s in range(ep) for e in range(num_local)]
+
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """Route ``hidden`` [N, H] to the experts' ranks.
+
+        Args:
+            hidden: ``[N, H]``; probs: ``[N, E]`` float32 (0 where not routed); routing_map: ``[N, E]`` bool.
+        Returns:
+            ``(permuted_hidden [R, H], tokens_per_expert [L] int64 on hidden's device, permuted_probs [R]
+            float32, meta)``, rows grouped by local expert, then source rank, then token index.
+        Raises:
+            ValueError: shapes disagree.
+        """
+        check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
+        num_tokens = hidden.shape[0]
+        capacity = None
+        if self.drop_and_pad:
+            capacity = get_capacity(
+                num_tokens * self.config.moe_router_topk, self.num_experts, self.config.moe_expert_capacity_factor
+            )
+            num_out_tokens = capacity * self.num_experts
+        elif self.config.moe_expert_capacity_factor is None:
+            num_out_tokens = num_tokens * self.config.moe_router_topk  # static without dropping (Megatron)
+        else:
+            num_out_tokens = None
+        permuted, permuted_probs, sorted_indices = permute(
+            hidden, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad
+        )
+        if self.drop_and_pad:
+            return self._dispatch_padded(permuted, permuted_probs, sorted_indices, hidden.shape, capacity)
+
+        tokens_per_expert_local = routing_map.sum(dim=0)  # [E] rows this rank sends to each expert
+        if self.ep_size == 1:
+            meta = AlltoAllDispatchMeta(sorted_indices, hidden.shape, (), (), None, None)
+            return permuted, tokens_per_expert_local.to(torch.int64), permuted_probs.float(), meta
+
+        # counts[s * L + e]: rows source rank s sends to local expert e.
+        counts = all_to_all(tokens_per_expert_local.to(torch.int64), [self.num_local_experts] * self.ep_size,
+                            [self.num_local_experts] * self.ep_size, self.ep_group)
+        tokens_per_expert = counts.view(self.ep_size, self.num_local_experts).sum(dim=0)
+        input_splits, chunk_sizes = _split_sizes_to_host(
+            tokens_per_expert_local.view(self.ep_size, self.num_local_experts).sum(dim=1), counts
+        )
+        output_splits = [sum(chunk_sizes[s * self.num_local_experts:(s + 1) * self.num_local_experts])
+                         for s in range(self.ep_size)]
+        received = all_to_all(permuted, output_splits, input_splits, self.ep_group)
+        received_probs = all_to_all(permuted_probs.float(), output_splits, input_splits, self.ep_group)
+        if self.num_local_experts > 1:
+            received = sort_chunks_by_idxs(received, chunk_sizes, self._sort_order)
+            received_probs = sort_chunks_by_idxs(received_probs, chunk_sizes, self._sort_order)
+        meta = AlltoAllDispatchMeta(
+            sorted_indices, hidden.shape, tuple(input_splits), tuple(output_splits), tuple(chunk_sizes), None
+        )
+        return received, tokens_per_expert, received_probs, meta
+
+    def _dispatch_padded(self, permuted, permuted_probs, sorted_indices, restore_shape, capacity):
+        # Static shapes: every (rank, expert) pair exchanges exactly `capacity` rows.
+        ep, num_local = self.ep_size, self.num_local_experts
+        splits = [num_local * capacity] * ep
+        received = all_to_all(permuted, splits, splits, self.ep_group)
+        received_probs = all_to_all(permuted_probs.float(), splits, splits, self.ep_group)
+        hidden_size = permuted.shape[-1]
+        received = received.view(ep, num_local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
+        received_probs = received_probs.view(ep, num_local, capacity).transpose(0, 1).reshape(-1)
+        tokens_per_expert = torch.full((num_local,), ep * capacity, dtype=torch.int64, device=permuted.device)
+        meta = AlltoAllDispatchMeta(sorted_indices, restore_shape, tuple(splits), tuple(splits), None, capacity)
+        return received, tokens_per_expert, received_probs, meta
+
+    def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
+        """Return ``expert_output`` [R, H] rows to their source ranks and scatter-add them into ``[N, H]``.
+
+        Probs were applied inside the experts, so this is a pure sum over each token's rows.
+        """
+        out = expert_output
+        if self.ep_size > 1:
+            if meta.capacity is not None:
+                ep, num_local, hidden_size = self.ep_size, self.num_local_experts, out.shape[-1]
+                out = out.view(num_local, ep, meta.capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
+            elif self.num_local_experts > 1:
+                sorted_sizes = [meta.chunk_sizes[i] for i in self._sort_order]
+                out = sort_chunks_by_idxs(out, sorted_sizes, self._unsort_order)
+            out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
+        return unpermute(out, meta.sorted_indices, meta.restore_shape)
+
+
+def check_local_experts(num_local_experts: int, local_expert_indices, num_experts: int, pg_collection) -> None:
+    """Raise ``ValueError`` unless the local experts are this EP rank's block ``ep_rank * L + [0, L)``."""
+    ep_size = 1 if pg_collection is None else pg_collection.ep_size
+    ep_rank = 0 if pg_collection is None else pg_collection.ep_rank
+    expected = list(range(ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts))
+    if num_local_experts * ep_size != num_experts or list(local_expert_indices) != expected:
+        raise ValueError(
+            f"local_expert_indices: expected {expected} (num_moe_experts={num_experts}, ep_size={ep_size}, "
+            f"ep_rank={ep_rank}), got {list(local_expert_indices)}"
+        )
+
+
+def _split_sizes_to_host(input_splits: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int]]:
+    # The one host sync of the non-padded path (Megatron's preprocess does the same): all_to_all_single
+    # needs its split sizes on the host. One device->host copy carries both tensors.
+    host = torch.cat([input_splits, counts]).tolist()
+    return host[: input_splits.numel()], host[input_splits.numel():]
+
+
+def check_dispatch_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, num_experts: int) -> None:
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden: expected [N, H], got shape {tuple(hidden.shape)}")
+    expected = (hidden.shape[0], num_experts)
+    if tuple(probs.shape) != expected or tuple(routing_map.shape) != expected:
+        raise ValueError(
+            f"probs and routing_map: expected shape {expected}, got {tuple(probs.shape)} and "
+            f"{tuple(routing_map.shape)}"
+        )
+    if routing_map.dtype != torch.bool:
+        raise TypeError(f"routing_map: expected torch.bool, got {routing_map.dtype}")
+
+
+__all__ = [
+    "MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta", "check_dispatch_inputs", "check_local_experts",
+    "sort_chunks_by_idxs",
+]

@@ -1,0 +1,94 @@
+"""FSDP2 (``fully_shard``) for MoE models: dense parameters over the DP mesh, experts over the expert-DP mesh.
+
+torchtitan's layout (torchtitan/models/llama4/infra/parallelize.py): per transformer block, first
+``fully_shard(block.<...>.experts, mesh=expt_dp_mesh)``, then ``fully_shard(block, mesh=dp_mesh)``, then the
+root. Expert parameters hold different experts on each EP rank, so they may only be sharded and reduced
+among the ranks holding the *same* experts (expert-DP); dense parameters over all ranks.
+
+Gradients are *summed*, never averaged: the loss is already divided by the global token count
+(``moe_core.parallel.loss``), and averaging would scale dense gradients by 1/dp and expert gradients by
+1/expt_dp, a mismatch whenever ep > 1. Sum reduction also avoids PREMUL_SUM, which gloo lacks.
+
+FSDP2 reduce-scatters the gradients of every parameter of a group together; it needs every rank to produce
+a gradient for the same parameters. moe_core's experts always run every local expert (zero rows included),
+so an expert that saw no token gets an exact zero gradient instead of none (the failure in the transformers
+FSDP2 report in docs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def find_expert_modules(model: nn.Module) -> list[nn.Module]:
+    """Submodules registered under the attribute name ``experts`` (``MoELayer.experts``), outermost first."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] == "experts" and not any(name.startswith(f"{p}.") for p, _ in found):
+            found.append((name, module))
+    return [m for _, m in found]
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: children of every ``nn.ModuleList`` named ``layers``.
+
+    Raises:
+        ValueError: the model has no ``layers`` ModuleList (pass ``blocks=`` explicitly).
+    """
+    blocks = [b for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "layers"
+              and isinstance(m, nn.ModuleList) for b in m]
+    if not blocks:
+        raise ValueError(f"blocks: {type(model).__name__} has no nn.ModuleList named 'layers'; pass blocks=")
+    return blocks
+
+
+def split_expert_params(model: nn.Module, expert_modules: Iterable[nn.Module] | None = None
+                        ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(dense_params, expert_params)`` of ``model`` (call again after wrapping: wrappers swap parameters)."""
+    experts = find_expert_modules(model) if expert_modules is None else list(expert_modules)
+    expert_ids = {id(p) for m in experts for p in m.parameters()}
+    dense = [p for p in model.parameters() if id(p) not in expert_ids]
+    expert = [p for p in model.parameters() if id(p) in expert_ids]
+    return dense, expert
+
+
+def wrap_per_block(model: nn.Module, pg_collection, wrap: Callable[..., nn.Module], *,
+                   blocks: Iterable[nn.Module] | None = None, **wrap_kwargs) -> nn.Module:
+    """Apply ``wrap`` (``fully_shard`` or FSDP2's ``replicate``) per block: experts on the expert-DP mesh,
+    the block on the DP mesh, then the root; set sum reduction on every resulting module."""
+    blocks = find_blocks(model) if blocks is None else list(blocks)
+    for block in blocks:
+        for experts in find_expert_modules(block):
+            wrap(experts, mesh=pg_collection.expt_dp_mesh, **wrap_kwargs)
+        wrap(block, mesh=pg_collection.dp_mesh, **wrap_kwargs)
+    wrap(model, mesh=pg_collection.dp_mesh, **wrap_kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def apply_fsdp2(model: nn.Module, pg_collection, *, blocks: Iterable[nn.Module] | None = None,
+                mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 for EP training (Megatron's ``--use-torch-fsdp2``).
+
+    Args:
+        model: contains transformer blocks (``find_blocks``) whose MoE layers hold ``experts`` modules.
+        pg_collection: ``ProcessGroupCollection``.
+        blocks: override ``find_blocks(model)``.
+        mp_policy: FSDP2 mixed precision (e.g. bf16 params, fp32 reduce); default full precision.
+        reshard_after_forward: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2).
+    Returns:
+        ``model``; parameters become DTensors (Shard(0) on their mesh), gradients are summed.
+    """
+    kwargs = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    return wrap_per_block(model, pg_collection, fully_shard, blocks=blocks, **kwargs)
+
+
+__all__ = ["apply_fsdp2", "find_blocks", "find_expert_modules", "split_expert_params", "wrap_per_block"]

@@ -1,0 +1,99 @@
+"""Global gradient norm and clipping over dense and expert parameters living on different meshes.
+
+``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails for DTensors on different meshes
+(dense: DP mesh, experts: expert-DP mesh; see the TRL report in docs) and, on plain tensors, misses the
+experts held by the other EP ranks. Here each rank sums ``|g|^p`` over its local data, weights every tensor
+by ``1 / (number of ranks holding the same values)``, and one all-reduce over the world adds it all up:
+
+    dense, DDP (plain or Replicate)        replicas = dp size        (identical on every rank)
+    dense, FSDP2 Shard over DP             replicas = 1              (each element on one rank)
+    expert, DDP (replicated over expt_dp)  replicas = expt_dp size   (the ep ranks hold different experts)
+    expert, FSDP2 Shard over expt_dp       replicas = 1
+
+In general ``replicas = world / (mesh shards of the tensor) / (ep if expert else 1)``, with mesh shards the
+product of the sizes of the mesh dims whose placement is ``Shard``. Every rank issues exactly one all-reduce
+(``max`` for the inf-norm), so a rank whose experts saw no token never skips a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _local_and_shards(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if not isinstance(grad, DTensor):
+        return grad, 1
+    shards = 1
+    for size, placement in zip(grad.device_mesh.shape, grad.placements):
+        if isinstance(placement, Shard):
+            shards *= size
+        elif not placement.is_replicate():
+            raise ValueError(f"grad placement {placement}: expected Shard or Replicate (reduce gradients first)")
+    return grad.to_local(), shards
+
+
+def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Iterable[torch.nn.Parameter],
+                  pg_collection, norm_type: float = 2.0) -> torch.Tensor:
+    """Global ``norm_type``-norm of all gradients (fp32 scalar, identical on every rank).
+
+    Args:
+        dense_params / expert_params: this rank's parameters (plain or DTensor); grads of ``None`` count as 0.
+        pg_collection: ``ProcessGroupCollection``, or ``None`` for one process.
+    Raises:
+        ValueError: ``norm_type`` is not positive, or a grad is still ``Partial``.
+    """
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"norm_type: expected > 0 or inf, got {norm_type}")
+    world = 1 if pg_collection is None else dist.get_world_size()
+    ep = 1 if pg_collection is None else pg_collection.ep_size
+    total = None
+    for params, per_rank_copies in ((dense_params, 1), (expert_params, ep)):
+        for p in params:
+            if p.grad is None:
+                continue
+            local, shards = _local_and_shards(p.grad)
+            local = local.detach().float()
+            if total is None:
+                total = torch.zeros((), dtype=torch.float32, device=local.device)
+            if norm_type == float("inf"):
+                total = torch.maximum(total, local.abs().max()) if local.numel() else total
+            else:
+                replicas = world // (shards * per_rank_copies)
+                total = total + local.abs().pow(norm_type).sum() / replicas
+    if total is None:
+        total = torch.zeros((), dtype=torch.float32, device=_default_device(pg_collection))
+    if pg_collection is not None and world > 1:
+        op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+        dist.all_reduce(total, op=op)
+    return total if norm_type == float("inf") else total.pow(1.0 / norm_type)
+
+
+def clip_grad_norm_(dense_params: Iterable[torch.nn.Parameter], expert_params: Iterable[torch.nn.Parameter],
+                    max_norm: float, pg_collection, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale all gradients in place so their global norm is at most ``max_norm``; return the norm before.
+
+    Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``
+    clamped to 1), with the norm from ``get_grad_norm``.
+    """
+    dense_params, expert_params = list(dense_params), list(expert_params)
+    total = get_grad_norm(dense_params, expert_params, pg_collection, norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in dense_params + expert_params:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local.mul_(coef.to(local.device, local.dtype))
+    return total
+
+
+def _default_device(pg_collection) -> torch.device:
+    if pg_collection is not None and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+__all__ = ["get_grad_norm", "clip_grad_norm_"]

@@ -1,0 +1,57 @@
+"""Start-up of a training process under torchrun (or alone) and per-rank data sharding."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from moe_core.parallel.process_groups import ProcessGroupCollection, build_process_groups, check_expert_split
+
+
+def init_distributed(expert_model_parallel_size: int = 1, *, num_moe_experts: int | None = None,
+                     backend: str | None = None) -> ProcessGroupCollection | None:
+    """Initialise torch.distributed from torchrun's environment and build the EP groups.
+
+    Returns ``None`` for a single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) with EP 1: the single-rank
+    path, no process group. An already initialised default group is reused. Backend: ``backend``, else ``MOE_CORE_BACKEND``, else NCCL when CUDA is
+    available and gloo otherwise; under NCCL each rank uses ``cuda:LOCAL_RANK``.
+
+    Raises:
+        ValueError: sizes do not divide (checked on every rank before any collective), or EP > 1 without
+            enough processes.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if num_moe_experts is not None:
+        check_expert_split(num_moe_experts, expert_model_parallel_size)
+    if world % expert_model_parallel_size:
+        raise ValueError(
+            f"expert_model_parallel_size ({expert_model_parallel_size}) must divide the number of processes "
+            f"({world}); launch with torchrun --nproc-per-node"
+        )
+    if world == 1 and not dist.is_initialized():
+        return None
+    backend = backend or os.environ.get("MOE_CORE_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return build_process_groups(expert_model_parallel_size, num_moe_experts=num_moe_experts)
+
+
+def rank_slice(global_batch_size: int, pg_collection: ProcessGroupCollection | None) -> slice:
+    """The rows of a global batch that this DP rank trains on: contiguous, distinct per rank.
+
+    Raises:
+        ValueError: ``global_batch_size`` is not a multiple of the DP size.
+    """
+    size = 1 if pg_collection is None else pg_collection.dp_size
+    rank = 0 if pg_collection is None else pg_collection.dp_rank
+    if global_batch_size % size:
+        raise ValueError(f"global_batch_size ({global_batch_size}) must be a multiple of the DP size ({size})")
+    per_rank = global_batch_size // size
+    return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+__all__ = ["init_distributed", "rank_slice"]

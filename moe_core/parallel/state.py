@@ -1,0 +1,61 @@
+"""Moving parameters between the single-process layout (all E experts) and an EP layout (E / ep per rank).
+
+Expert parameters are those of the ``experts`` modules (``fsdp.find_expert_modules``); their dim 0 is the
+expert index, and EP rank r holds rows ``[r * L, (r + 1) * L)``. Everything else is replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from moe_core.parallel.collectives import all_gather_first_dim
+from moe_core.parallel.fsdp import find_expert_modules
+
+
+def expert_param_names(model: nn.Module) -> set[str]:
+    """Fully qualified names of the expert parameters of ``model``."""
+    expert_ids = {id(p) for m in find_expert_modules(model) for p in m.parameters()}
+    return {name for name, p in model.named_parameters() if id(p) in expert_ids}
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor], pg_collection) -> None:
+    """Load a single-process state dict into an unwrapped EP model: expert tensors take this rank's rows.
+
+    Call before ``apply_fsdp2`` / ``apply_ddp``. Raises ``ValueError`` when an expert tensor's first
+    dimension is not ``ep * L``.
+    """
+    ep_size = 1 if pg_collection is None else pg_collection.ep_size
+    ep_rank = 0 if pg_collection is None else pg_collection.ep_rank
+    experts = expert_param_names(model)
+    params = dict(model.named_parameters())
+    state = {}
+    for name, value in full_state.items():
+        if name in experts:
+            num_local = params[name].shape[0]
+            if value.shape[0] != num_local * ep_size:
+                raise ValueError(f"{name}: expected {num_local * ep_size} experts in dim 0, got {tuple(value.shape)}")
+            value = value[ep_rank * num_local:(ep_rank + 1) * num_local]
+        state[name] = value
+    model.load_state_dict(state)
+
+
+@torch.no_grad()
+def gather_full_state_dict(model: nn.Module, pg_collection) -> dict[str, torch.Tensor]:
+    """The single-process parameters of a (wrapped) EP model, full tensors on every rank. Collective.
+
+    DTensors (FSDP2 shards, replicate) become full tensors; expert tensors are gathered over EP.
+    """
+    experts = expert_param_names(model)
+    out = {}
+    for name, p in model.named_parameters():
+        value = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if name in experts and pg_collection is not None:
+            value = all_gather_first_dim(value.contiguous(), pg_collection.ep)
+        out[name] = value.detach().clone()
+    return out
+
+
+__all__ = ["expert_param_names", "load_full_state_dict", "gather_full_state_dict"]

@@ -1,0 +1,103 @@
+"""Pretraining data: documents -> one token stream per split -> random windows, sharded by data-parallel rank.
+
+The default corpus is text every machine has: the ``.py`` sources of the running Python's standard library
+(tests and site-packages excluded), split into train and validation by file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+VALID_PERCENT = 5
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's ``.py`` files, sorted, without test packages and site-packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).parts[:-1]
+        if not any(p in _EXCLUDED_DIRS or p.startswith("test") for p in parts):
+            files.append(path)
+    return sorted(files)
+
+
+def is_validation(name: str) -> bool:
+    """Deterministic file-level split: about VALID_PERCENT % of names go to validation."""
+    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % 100 < VALID_PERCENT
+
+
+def read_documents(paths: list[Path]) -> list[tuple[str, str]]:
+    """``(name, text)`` per document: a text file is one document, a ``.jsonl`` file one per line ("text")."""
+    docs = []
+    for path in paths:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        if str(path).endswith(".jsonl"):
+            docs += [(f"{path}:{i}", json.loads(line)["text"]) for i, line in enumerate(text.splitlines()) if line.strip()]
+        else:
+            docs.append((str(path), text))
+    return docs
+
+
+def build_token_streams(data_path: list[str] | None, tokenizer) -> dict[str, np.ndarray]:
+    """``{"train": tokens, "valid": tokens}``, each the split's documents encoded and concatenated.
+
+    Raises:
+        ValueError: a split is empty (too few documents to hold out a validation file).
+    """
+    if data_path is None:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        docs = [(str(p.relative_to(root)), p.read_text(encoding="utf-8", errors="replace")) for p in stdlib_sources()]
+    else:
+        docs = read_documents([Path(p) for p in data_path])
+    splits: dict[str, list[str]] = {"train": [], "valid": []}
+    for name, text in docs:
+        splits["valid" if is_validation(name) else "train"].append(text)
+    if len(docs) >= 2 and not splits["valid"]:
+        splits["valid"].append(splits["train"].pop())  # keep a validation file even for tiny corpora
+    out = {}
+    for split, texts in splits.items():
+        if not texts:
+            raise ValueError(f"data_path: the {split} split is empty ({len(docs)} documents in all)")
+        out[split] = tokenizer.encode("\n".join(texts))
+    return out
+
+
+def sample_batch(tokens: np.ndarray, batch_size: int, seq_length: int, seed: int, step: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ``batch_size`` random windows, ``(input_ids, labels)`` ``[B, S]`` int64.
+
+    Drawn from a generator seeded by ``(seed, step)`` alone, so any rank layout and any resume point sees
+    the same global batch; ranks take their rows with ``shard_rows``.
+    Raises:
+        ValueError: the stream is shorter than one window.
+    """
+    if len(tokens) <= seq_length + 1:
+        raise ValueError(f"tokens: need more than seq_length + 1 = {seq_length + 1} tokens, got {len(tokens)}")
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(tokens) - seq_length - 1, size=batch_size)
+    windows = np.stack([tokens[s:s + seq_length + 1] for s in starts]).astype(np.int64)
+    windows = torch.from_numpy(windows)
+    return windows[:, :-1], windows[:, 1:]
+
+
+def shard_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous block of ``batch``'s rows (``B`` must divide by ``world_size``).
+
+    Raises:
+        ValueError: the rows don't divide evenly.
+    """
+    if batch.shape[0] % world_size:
+        raise ValueError(f"batch: {batch.shape[0]} rows don't split over {world_size} ranks")
+    per_rank = batch.shape[0] // world_size
+    return batch[rank * per_rank:(rank + 1) * per_rank]
+
+
+__all__ = ["stdlib_sources", "is_validation", "read_documents", "build_token_streams", "sample_batch", "shard_rows"]

@@ -1,0 +1,157 @@
+"""EP token dispatchers against a single-process dense reference, under every forced routing.
+
+One MoE layer (router + dispatcher + experts), EP = world, fp32: the output, the input gradient, the router
+gradient and every expert's weight gradient match the dense computation over all experts; experts that saw
+no token have gradients exactly 0 (not None); AllGather and AlltoAll agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.parallel._common import all_reduce_sum, compare, groups
+from tests.parallel._launch import device, run_distributed
+from tests.parallel._models import DISPATCHERS, SCENARIOS, ToyMoE, forced_routing, make_config, token_counts
+
+GLOBAL_TOKENS = 24
+NUM_EXPERTS = 8
+
+
+CAPACITY = {
+    None: {},
+    "drop": {"moe_expert_capacity_factor": 1.0},
+    "pad": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+}
+
+
+def _layer_parity(scenario: str, dispatchers: list[str], ep: int, capacity: str | None = None) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pg = groups(ep, NUM_EXPERTS)
+    sc = SCENARIOS[scenario]
+    cfg = make_config(NUM_EXPERTS, sc.topk, ep=ep, **CAPACITY[capacity])
+    dev = device()
+    torch.manual_seed(0)
+    ref = ToyMoE(make_config(NUM_EXPERTS, sc.topk, **CAPACITY[capacity]), dispatcher=None).to(dev)
+    x_all = torch.randn(GLOBAL_TOKENS, cfg.hidden_size, device=dev)
+    routing_all = forced_routing(sc, GLOBAL_TOKENS, world, ep, NUM_EXPERTS).to(dev)
+    counts = token_counts(sc, GLOBAL_TOKENS, world)
+    start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
+
+    x_ref = x_all.clone().requires_grad_()
+    out_ref = ref(x_ref, routing_all, counts)
+    (out_ref.pow(2).sum() / GLOBAL_TOKENS).backward()
+    num_local = NUM_EXPERTS // ep
+    local = slice(pg.ep_rank * num_local, (pg.ep_rank + 1) * num_local)
+    unused = ~routing_all.any(0)  # [E] experts no token visits
+    dropped = int((routing_all & ~ref.last_routing_map).sum())
+    if capacity is not None:
+        assert dropped > 0, "capacity factor 1 on this routing must drop tokens"
+    if capacity == "pad":
+        unused[:] = False  # padding rows reach every expert
+    assert torch.equal(ref.experts.weight.grad[unused], torch.zeros_like(ref.experts.weight.grad[unused]))
+
+    stats: dict = {"unused_experts": int(unused.sum()), "dropped_routes": dropped}
+    results = {}
+    for name in dispatchers:
+        model = ToyMoE(cfg, pg, name, pg.ep_rank).to(dev)
+        model.router.weight.data.copy_(ref.router.weight)
+        model.experts.weight.data.copy_(ref.experts.weight[local])
+        x = x_all[start:stop].clone().requires_grad_()
+        out = model(x, routing_all[start:stop])
+        (out.pow(2).sum() / GLOBAL_TOKENS).backward()
+        expert_grad = all_reduce_sum(model.experts.weight.grad, pg.expt_dp)
+        compare(f"{name} output", out, out_ref[start:stop], stats)
+        compare(f"{name} input grad", x.grad, x_ref.grad[start:stop], stats)
+        compare(f"{name} router grad", all_reduce_sum(model.router.weight.grad), ref.router.weight.grad, stats)
+        compare(f"{name} expert grad", expert_grad, ref.experts.weight.grad[local], stats)
+        zero = expert_grad[unused[local]]
+        assert torch.equal(zero, torch.zeros_like(zero)), f"{name}: unused experts' grads are not exactly 0"
+        results[name] = (out.detach(), x.grad, expert_grad)
+    if len(results) == 2:
+        (o1, g1, w1), (o2, g2, w2) = results.values()
+        agree: dict = {}
+        for label, a, b in (("output", o1, o2), ("input grad", g1, g2), ("expert grad", w1, w2)):
+            compare(f"allgather vs alltoall {label}", a, b, agree, rtol=1e-6, atol=1e-7)
+        stats["agree_max_abs"] = agree["max_abs"]
+    return stats
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_dispatchers_match_reference(world, scenario):
+    # AllGather needs the same token count on every rank; the send_zero scenario checks AlltoAll only.
+    dispatchers = ["alltoall"] if SCENARIOS[scenario].empty_rank is not None else ["alltoall", "allgather"]
+    stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=dispatchers, ep=world)
+    print(f"world={world} {scenario}: {stats[0]}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("capacity", ["drop", "pad"])
+@pytest.mark.parametrize("scenario", ["dirichlet", "recv_zero"])
+def test_dispatchers_with_capacity(world, capacity, scenario):
+    """Token dropping (capacity factor 1 under skewed routing drops tokens) and drop_and_pad (static shapes)."""
+    stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=["alltoall", "allgather"],
+                            ep=world, capacity=capacity)
+    print(f"world={world} {scenario} {capacity}: {stats[0]}")
+
+
+def _collective_trace(scenario: str, dispatcher: str) -> list[str]:
+    """The sequence of collectives one rank issues in a forward + backward of the layer."""
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    pg = groups(world, NUM_EXPERTS)
+    sc = SCENARIOS[scenario]
+    trace: list[str] = []
+    originals = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_single", "reduce_scatter_single")}
+
+    def recorder(name):
+        def call(out, inp, *args, **kwargs):
+            trace.append(f"{name}{tuple(inp.shape[1:])}:{inp.dtype}")
+            return originals[name](out, inp, *args, **kwargs)
+        return call
+
+    try:
+        for name in originals:
+            setattr(dist, name, recorder(name))
+        model = ToyMoE(make_config(NUM_EXPERTS, sc.topk, ep=world), pg, dispatcher, pg.ep_rank).to(dev)
+        counts = token_counts(sc, GLOBAL_TOKENS, world)
+        start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
+        routing = forced_routing(sc, GLOBAL_TOKENS, world, world, NUM_EXPERTS).to(dev)
+        x = torch.randn(GLOBAL_TOKENS, 16, device=dev)[start:stop].requires_grad_()
+        model(x, routing[start:stop]).pow(2).sum().backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return trace
+
+
+@pytest.mark.parametrize("dispatcher,scenarios", [
+    ("alltoall", ["recv_zero", "send_zero", "one_expert", "disjoint"]),
+    ("allgather", ["recv_zero", "one_expert", "disjoint"]),
+])
+def test_same_collectives_on_every_rank(dispatcher, scenarios):
+    """Whatever the routing (a rank sending or receiving nothing included), every rank issues the same
+    collectives in the same order, forward and backward, so none can wait on a peer that skipped one."""
+    for scenario in scenarios:
+        traces = run_distributed(4, _collective_trace, scenario=scenario, dispatcher=dispatcher)
+        assert traces[0], "no collective recorded"
+        for rank, trace in enumerate(traces):
+            assert trace == traces[0], f"{scenario}: rank {rank} issued {trace}, rank 0 issued {traces[0]}"
+        print(f"{dispatcher} {scenario}: {traces[0]}")
+
+
+@pytest.mark.parametrize("name", ["alltoall", "allgather"])
+def test_bad_inputs_raise(name):
+    cfg = make_config(NUM_EXPERTS, 2)
+    cls = DISPATCHERS[name]
+    with pytest.raises(ValueError, match=r"local_expert_indices: expected \[0, 1, 2, 3, 4, 5, 6, 7\]"):
+        cls(NUM_EXPERTS, [1, 2, 3, 4, 5, 6, 7, 8], cfg)
+    d = cls(NUM_EXPERTS, list(range(NUM_EXPERTS)), cfg)
+    hidden, probs, routing_map = torch.zeros(4, 16), torch.zeros(4, NUM_EXPERTS), torch.zeros(4, NUM_EXPERTS).bool()
+    with pytest.raises(ValueError, match=r"hidden: expected \[N, H\], got shape \(4, 2, 8\)"):
+        d.dispatch(hidden.view(4, 2, 8), probs, routing_map)
+    with pytest.raises(ValueError, match=r"expected shape \(4, 8\), got \(4, 7\)"):
+        d.dispatch(hidden, probs[:, :7], routing_map)
+    with pytest.raises(TypeError, match="routing_map: expected torch.bool, got torch.float32"):
+        d.dispatch(hidden, probs, probs)

@@ -1,0 +1,104 @@
+"""moe_core's MoELayer (TopKRouter + dispatcher + GroupedMLP + shared expert) under EP equals the
+single-process MoELayer: output, input gradient and every parameter gradient, for both dispatchers, every
+forced routing, biases on, and with token dropping / drop_and_pad."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moe_core.config import TransformerConfig
+from moe_core.moe.moe_layer import MoELayer
+from tests.parallel._common import all_reduce_sum, compare, groups
+from tests.parallel._launch import device, run_distributed
+from tests.parallel._models import SCENARIOS, forced_probs, forced_routing, is_expert_name, token_counts
+
+GLOBAL_TOKENS = 24
+NUM_EXPERTS = 8
+CAPACITY = {
+    None: {},
+    "drop": {"moe_expert_capacity_factor": 1.0},
+    "pad": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+}
+
+
+def layer_config(topk: int, dispatcher: str, ep: int = 1, **kw) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=NUM_EXPERTS, moe_router_topk=topk,
+        moe_ffn_hidden_size=8, add_bias_linear=True, moe_shared_expert_intermediate_size=8,
+        moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=0.0, expert_model_parallel_size=ep, **kw,
+    )
+
+
+def force_routing(layer: MoELayer, routing_map: torch.Tensor) -> None:
+    """Replace the router's top-k choice by ``routing_map``; its weight still gets gradients via softmax."""
+    layer.router._topk_routing = lambda logits: (forced_probs(logits, routing_map), routing_map)
+
+
+def ep_state(full: dict[str, torch.Tensor], ep_rank: int, num_local: int) -> dict[str, torch.Tensor]:
+    return {k: v[ep_rank * num_local:(ep_rank + 1) * num_local] if is_expert_name(k) else v for k, v in full.items()}
+
+
+def _layer(scenario: str, dispatcher: str, capacity: str | None) -> dict:
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    pg = groups(world, NUM_EXPERTS)
+    sc = SCENARIOS[scenario]
+    torch.manual_seed(0)
+    ref = MoELayer(layer_config(sc.topk, dispatcher, **CAPACITY[capacity])).to(dev)
+    model = MoELayer(layer_config(sc.topk, dispatcher, ep=world, **CAPACITY[capacity]), pg).to(dev)
+    num_local = model.num_local_experts
+    model.load_state_dict(ep_state(ref.state_dict(), pg.ep_rank, num_local))
+    counts = token_counts(sc, GLOBAL_TOKENS, world)
+    start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
+    routing = forced_routing(sc, GLOBAL_TOKENS, world, world, NUM_EXPERTS).to(dev)
+    x_all = torch.randn(GLOBAL_TOKENS, 16, generator=torch.Generator().manual_seed(5)).to(dev)
+
+    x = x_all[start:stop].clone().requires_grad_()
+    force_routing(model, routing[start:stop])
+    out = model(x.unsqueeze(0))
+    out.pow(2).sum().backward()
+
+    # Capacity is per rank (each rank drops among its own tokens): the reference runs rank by rank then.
+    pieces = counts if capacity is not None else [GLOBAL_TOKENS]
+    x_ref = x_all.clone().requires_grad_()
+    outs = []
+    for chunk, rm in zip(x_ref.split(pieces), routing.split(pieces)):
+        force_routing(ref, rm)
+        outs.append(ref(chunk.unsqueeze(0)).squeeze(0))
+    out_ref = torch.cat(outs)
+    out_ref.pow(2).sum().backward()
+
+    stats: dict = {}
+    compare("output", out.squeeze(0), out_ref[start:stop], stats)
+    compare("input grad", x.grad, x_ref.grad[start:stop], stats)
+    local = slice(pg.ep_rank * num_local, (pg.ep_rank + 1) * num_local)
+    unused = ~routing.any(0)[local] if capacity != "pad" else torch.zeros(num_local, dtype=torch.bool, device=dev)
+    for name, p in model.named_parameters():
+        ref_grad = dict(ref.named_parameters())[name].grad
+        assert p.grad is not None, f"{name}: no gradient"
+        if is_expert_name(name):
+            grad = all_reduce_sum(p.grad, pg.expt_dp)
+            compare(f"grad {name}", grad, ref_grad[local], stats)
+            assert torch.equal(grad[unused], torch.zeros_like(grad[unused])), f"{name}: unused expert grad != 0"
+        else:
+            compare(f"grad {name}", all_reduce_sum(p.grad), ref_grad, stats)
+    stats["unused_local_experts"] = int(unused.sum())
+    return stats
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_moe_layer_matches_single_process(world, dispatcher, scenario):
+    if dispatcher == "allgather" and SCENARIOS[scenario].empty_rank is not None:
+        pytest.skip("AllGather needs the same token count on every EP rank")
+    stats = run_distributed(world, _layer, scenario=scenario, dispatcher=dispatcher, capacity=None)
+    print(f"world={world} {dispatcher} {scenario}: {stats[0]}")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("capacity", ["drop", "pad"])
+def test_moe_layer_with_capacity(dispatcher, capacity):
+    stats = run_distributed(4, _layer, scenario="dirichlet", dispatcher=dispatcher, capacity=capacity)
+    print(f"world=4 {dispatcher} dirichlet {capacity}: {stats[0]}")

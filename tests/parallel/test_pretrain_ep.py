@@ -1,0 +1,80 @@
+"""The pretraining loop across ranks: EP = 2 under DDP and FSDP2 follows the single-process run step for step,
+and its checkpoints load in another layout (single process, other wrapper) with identical parameters."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_core.config import TransformerConfig
+from moe_core.models.gpt import GPTModel
+from moe_core.parallel.state import gather_full_state_dict
+from moe_core.training.checkpoint import load_checkpoint
+from moe_core.training.config import TrainingConfig
+from moe_core.training.schedule import build_scheduler
+from moe_core.training.trainer import build_optimizer, pretrain
+from tests.parallel._common import groups
+from tests.parallel._launch import run_distributed
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def _configs(ep: int, output_dir: str, fsdp2: bool, **training) -> tuple[TransformerConfig, TrainingConfig]:
+    model = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=256, seq_length=32,
+        num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.0,
+        expert_model_parallel_size=ep,
+    )
+    train = TrainingConfig(
+        micro_batch_size=8 // ep, global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=1, log_interval=1,
+        eval_iters=2, output_dir=output_dir, use_torch_fsdp2=fsdp2, bf16=False,
+        data_path=[str(STDLIB / "textwrap.py"), str(STDLIB / "shlex.py")], **training,
+    )
+    return model, train
+
+
+def _pretrain(ep: int, output_dir: str, fsdp2: bool, save: str | None = None) -> dict:
+    model_cfg, train_cfg = _configs(ep, output_dir, fsdp2, save=save)
+    summary = pretrain(model_cfg, train_cfg, log=lambda *_: None, pg_collection=groups(ep, 4))
+    return {"start": summary.start_valid_loss, "end": summary.end_valid_loss, "train": summary.train_losses}
+
+
+@pytest.mark.parametrize("fsdp2", [False, True], ids=["ddp", "fsdp2"])
+def test_pretrain_ep2_follows_single_process(tmp_path, fsdp2):
+    model_cfg, train_cfg = _configs(1, str(tmp_path / "single"), False)
+    single = pretrain(model_cfg, train_cfg, log=lambda *_: None)
+    ranks = run_distributed(2, _pretrain, timeout=120, ep=2, output_dir=str(tmp_path / "ep2"), fsdp2=fsdp2)
+    for r in ranks:  # every rank reports the same global numbers
+        assert r == ranks[0]
+    got = ranks[0]
+    torch.testing.assert_close(got["start"], single.start_valid_loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(got["train"]), torch.tensor(single.train_losses), rtol=1e-4, atol=0)
+    torch.testing.assert_close(got["end"], single.end_valid_loss, rtol=1e-4, atol=0)
+    print(f"single {single.train_losses} / ep2 {got['train']}; valid end {single.end_valid_loss} / {got['end']}")
+
+
+def _load(path: str, model_cfg: TransformerConfig, train_cfg: TrainingConfig) -> tuple[int, dict]:
+    model = GPTModel(model_cfg)
+    optimizer = build_optimizer(model, train_cfg)
+    scheduler = build_scheduler(optimizer, train_cfg.lr, train_cfg.min_lr, train_cfg.lr_warmup_iters,
+                                train_cfg.train_iters)
+    step = load_checkpoint(path, model, optimizer, scheduler)
+    return step, {**gather_full_state_dict(model, None),
+                  **{f"exp_avg {n}": optimizer.state[p]["exp_avg"] for n, p in model.named_parameters()}}
+
+
+def test_ep2_fsdp2_checkpoint_loads_in_one_process(tmp_path):
+    """EP = 2 + FSDP2 saves (experts gathered over EP): one process loads the weights and Adam moments of
+    the single-process run's own checkpoint."""
+    run_distributed(2, _pretrain, timeout=120, ep=2, output_dir=str(tmp_path / "ep2"), fsdp2=True,
+                    save=str(tmp_path / "ckpt_ep2"))
+    model_cfg, train_cfg = _configs(1, str(tmp_path / "single"), False, save=str(tmp_path / "ckpt_single"))
+    pretrain(model_cfg, train_cfg, log=lambda *_: None)
+    step, got = _load(str(tmp_path / "ckpt_ep2"), model_cfg, train_cfg)
+    _, want = _load(str(tmp_path / "ckpt_single"), model_cfg, train_cfg)
+    assert step == train_cfg.train_iters
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Pretrain a Megatron-style MoE GPT.
+
+    python tools/pretrain_gpt.py --config configs/tiny.yaml [--train-iters 500 --lr 2e-3 ...]
+
+Flags use Megatron's spellings and override the YAML's ``model:`` (TransformerConfig) and ``training:``
+(TrainingConfig) fields. The default corpus is the Python standard library's sources, tokenized as bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_core.config import TransformerConfig  # noqa: E402
+from moe_core.training.config import TrainingConfig  # noqa: E402
+from moe_core.training.tokenizer import build_tokenizer  # noqa: E402
+from moe_core.training.trainer import pretrain  # noqa: E402
+
+# (flag, field, type); the field's section is found by name.
+MODEL_FLAGS = [
+    ("--num-layers", "num_layers", int), ("--hidden-size", "hidden_size", int),
+    ("--num-attention-heads", "num_attention_heads", int), ("--num-query-groups", "num_query_groups", int),
+    ("--ffn-hidden-size", "ffn_hidden_size", int), ("--seq-length", "seq_length", int),
+    ("--num-experts", "num_moe_experts", int), ("--moe-router-topk", "moe_router_topk", int),
+    ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", int), ("--moe-aux-loss-coeff", "moe_aux_loss_coeff", float),
+    ("--moe-z-loss-coeff", "moe_z_loss_coeff", float),
+    ("--moe-token-dispatcher-type", "moe_token_dispatcher_type", str),
+    ("--expert-model-parallel-size", "expert_model_parallel_size", int),
+]
+TRAINING_FLAGS = [
+    ("--micro-batch-size", "micro_batch_size", int), ("--global-batch-size", "global_batch_size", int),
+    ("--train-iters", "train_iters", int), ("--lr", "lr", float), ("--min-lr", "min_lr", float),
+    ("--lr-warmup-iters", "lr_warmup_iters", int), ("--weight-decay", "weight_decay", float),
+    ("--clip-grad", "clip_grad", float), ("--log-interval", "log_interval", int),
+    ("--eval-interval", "eval_interval", int), ("--eval-iters", "eval_iters", int), ("--save", "save", str),
+    ("--save-interval", "save_interval", int), ("--load", "load", str), ("--seed", "seed", int),
+    ("--tokenizer", "tokenizer", str), ("--output-dir", "output_dir", str),
+]
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, TrainingConfig]:
+    """Parse flags into the two configs (flags beat the YAML)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"),
+                        help="YAML with model: and training: sections")
+    for flag, field, kind in MODEL_FLAGS + TRAINING_FLAGS:
+        parser.add_argument(flag, dest=field, type=kind, default=None)
+    parser.add_argument("--data-path", dest="data_path", nargs="+", default=None, help="text or JSONL files")
+    parser.add_argument("--bf16", dest="bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="bf16 autocast on CUDA (default on)")
+    parser.add_argument("--use-torch-fsdp2", dest="use_torch_fsdp2", action="store_true", default=None)
+    args = vars(parser.parse_args(argv))
+    model_overrides = {field: args[field] for _, field, _ in MODEL_FLAGS}
+    training_overrides = {field: args[field] for _, field, _ in TRAINING_FLAGS}
+    training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"])
+    if args["tokenizer"] is not None:
+        model_overrides["vocab_size"] = build_tokenizer(args["tokenizer"]).vocab_size
+    model = TransformerConfig.from_yaml(args["config"], **model_overrides)
+    training = TrainingConfig.from_yaml(args["config"], **training_overrides)
+    return model, training
+
+
+def main(argv: list[str] | None = None) -> None:
+    model_config, training_config = parse_args(argv)
+    pretrain(model_config, training_config)
+
+
+if __name__ == "__main__":
+    main()
