@@ -14,7 +14,7 @@ import torch
 
 import moe_core._C  # noqa: F401  (registers torch.ops.moe_core.*)
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _COUNT_DTYPES = (torch.int32, torch.int64)
 
 
@@ -23,7 +23,7 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch
     """``y[rows of e] = x[rows of e] @ weight[e]`` for every expert e, in one call.
 
     Args:
-        x: ``[T, K]`` float32, bfloat16 or float16; rows grouped by expert, expert 0 first.
+        x: ``[T, K]`` float32, bfloat16, float16 (or float64, for references); rows grouped by expert.
         weight: ``[E, K, N]``, or ``[E, N, K]`` with ``trans_weight`` (then ``weight[e]^T`` is used); x's dtype
             and device.
         tokens_per_expert: ``[E]`` int32/int64 on any device, rows of each expert, summing to T. Zeros are
