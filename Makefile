@@ -12,8 +12,11 @@ $(STAMP): requirements.txt setup.py $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*)
 	$(PYTHON) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $@
 
+# Two processes on gloo (CPU), experts split over both (EP = 2); micro-batch 16 per rank keeps the global
+# batch of the single-process run (python3 tools/pretrain_gpt.py --config configs/tiny.yaml).
 train: install
-	$(PYTHON) tools/pretrain_gpt.py --config configs/tiny.yaml $(ARGS)
+	$(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2 tools/pretrain_gpt.py \
+		--config configs/tiny.yaml --expert-model-parallel-size 2 --micro-batch-size 16 $(ARGS)
 
 test: install
 	$(PYTHON) -m pytest -q $(ARGS)

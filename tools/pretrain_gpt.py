@@ -2,6 +2,10 @@
 """Pretrain a Megatron-style MoE GPT.
 
     python tools/pretrain_gpt.py --config configs/tiny.yaml [--train-iters 500 --lr 2e-3 ...]
+    torchrun --nproc-per-node 2 tools/pretrain_gpt.py --expert-model-parallel-size 2 [--use-torch-fsdp2]
+
+Under torchrun every process is a data-parallel rank; --expert-model-parallel-size splits the experts over
+that many ranks (gloo on CPU, NCCL on GPUs; MOE_CORE_BACKEND overrides), DDP unless --use-torch-fsdp2.
 
 Flags use Megatron's spellings and override the YAML's ``model:`` (TransformerConfig) and ``training:``
 (TrainingConfig) fields. The default corpus is the Python standard library's sources, tokenized as bytes.
@@ -13,9 +17,12 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_core.config import TransformerConfig  # noqa: E402
+from moe_core.parallel.launch import init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.tokenizer import build_tokenizer  # noqa: E402
 from moe_core.training.trainer import pretrain  # noqa: E402
@@ -66,7 +73,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
 
 def main(argv: list[str] | None = None) -> None:
     model_config, training_config = parse_args(argv)
-    pretrain(model_config, training_config)
+    pg = init_distributed(model_config.expert_model_parallel_size, num_moe_experts=model_config.num_moe_experts)
+    try:
+        pretrain(model_config, training_config, pg_collection=pg)
+    finally:
+        if pg is not None:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
