@@ -1,0 +1,80 @@
+"""Architecture configs on the meta device: total and active parameter counts against the published figures."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_core.config import TransformerConfig
+from moe_core.models.gpt import GPTModel
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+PUBLISHED = {  # (total, active) from each model's paper / model card
+    "qwen3_30b_a3b": (30.5e9, 3.3e9),
+    "mixtral_8x7b": (46.7e9, 12.9e9),
+    "olmoe_1b_7b": (6.9e9, 1.3e9),
+}
+
+
+def build(name: str) -> GPTModel:
+    with torch.device("meta"):
+        return GPTModel(TransformerConfig.from_yaml(CONFIGS / f"{name}.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_match_published(name):
+    model = build(name)
+    total, active = PUBLISHED[name]
+    assert model.num_parameters() == pytest.approx(total, rel=0.02)
+    assert model.num_parameters(active=True) == pytest.approx(active, rel=0.02)
+
+
+def test_deepseek_v3_moe_part_is_exact():
+    model = build("deepseek_v3")
+    cfg = model.config
+    kinds = ["moe" if hasattr(layer.mlp, "router") else "dense" for layer in model.decoder.layers]
+    assert kinds == ["dense"] * 3 + ["moe"] * 58
+    moe = model.moe_layers()[0]
+    assert sum(p.numel() for p in moe.experts.parameters()) == 256 * 3 * 7168 * 2048
+    assert sum(p.numel() for p in moe.shared_experts.parameters()) == 3 * 7168 * 2048
+    assert moe.router.weight.shape == (256, 7168)
+    assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk, cfg.moe_router_topk) == (8, 4, 8)
+    assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias
+    assert cfg.moe_router_topk_scaling_factor == 2.5
+    # The count the YAML documents (GQA attention in place of MLA).
+    assert model.num_parameters() == 688_268_342_272
+    assert model.num_parameters(active=True) == 54_794_220_544
+
+
+def test_tiny_config_loads():
+    cfg = TransformerConfig.from_yaml(CONFIGS / "tiny.yaml")
+    assert cfg.num_moe_experts == 8 and cfg.moe_router_topk == 2
+
+
+@pytest.mark.parametrize("overrides,error,message", [
+    (dict(num_layers=0), ValueError, "num_layers"),
+    (dict(num_layers=2.5), TypeError, "num_layers"),
+    (dict(num_query_groups=3), ValueError, "num_query_groups"),
+    (dict(activation_func="tanh"), ValueError, "activation_func"),
+    (dict(num_moe_experts=4, moe_router_topk=5), ValueError, "moe_router_topk"),
+    (dict(num_moe_experts=6, moe_router_num_groups=4, moe_router_group_topk=1), ValueError, "moe_router_num_groups"),
+    (dict(num_moe_experts=4, moe_router_num_groups=2), ValueError, "moe_router_group_topk"),
+    (dict(num_moe_experts=4, moe_router_load_balancing_type=["aux_loss"], moe_aux_loss_coeff=0.1), ValueError,
+     "moe_aux_loss_coeff"),
+    (dict(num_moe_experts=4, moe_router_load_balancing_type="switch"), ValueError, "moe_router_load_balancing_type"),
+    (dict(num_moe_experts=6, expert_model_parallel_size=4), ValueError, "expert_model_parallel_size"),
+    (dict(num_moe_experts=4, moe_pad_expert_input_to_capacity=True), ValueError, "moe_expert_capacity_factor"),
+    (dict(num_moe_experts=4, moe_layer_freq=[1, 0, 1]), ValueError, "moe_layer_freq"),
+    (dict(tensor_model_parallel_size=2), ValueError, "tensor_model_parallel_size"),
+])
+def test_config_validation_names_the_field(overrides, error, message):
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=4)
+    with pytest.raises(error, match=message):
+        TransformerConfig(**{**base, **overrides})
+
+
+def test_unknown_yaml_field(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  num_layers: 1\n  hidden_size: 8\n  num_attention_heads: 2\n  num_experts: 4\n")
+    with pytest.raises(ValueError, match="num_experts"):
+        TransformerConfig.from_yaml(path)
