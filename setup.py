@@ -40,11 +40,11 @@ def _extension():
         return CppExtension("moe_core._C", sources, extra_compile_args={"cxx": cxx_flags + ["-fopenmp"]},
                             extra_link_args=["-fopenmp"])
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    # MOE_CORE_CUDA_ARCHS="90a" (space-separated) builds fewer targets, e.g. for a quick build on one GPU.
+    archs = os.environ.get("MOE_CORE_CUDA_ARCHS", "80 89 90a").split()
     nvcc_flags = [
-        "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
-        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_89,code=sm_89",
-        "-gencode=arch=compute_90a,code=sm_90a",
-    ]
+        "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo", f"--threads={len(archs)}",
+    ] + [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     return CUDAExtension(
         "moe_core._C", sources + cuda_sources,
         include_dirs=[os.path.abspath("csrc")] + _cutlass_include(),

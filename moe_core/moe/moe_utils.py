@@ -1,4 +1,4 @@
-"""Token permutation and capacity helpers shared by the token dispatchers and the router.
+"""Token permutation for the dispatchers (capacity helpers live in capacity.py and are re-exported here).
 
 Legend: N tokens, H hidden, E experts, R routed rows (expert-major), C capacity per expert.
 
@@ -10,55 +10,9 @@ scatter-add.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int | None = None) -> int:
-    """Rows each expert may take: ``ceil(num_tokens / num_experts * capacity_factor)`` (Megatron's get_capacity).
-
-    Args:
-        num_tokens: routed rows to share out, i.e. tokens * topk.
-        num_experts: E.
-        capacity_factor: > 0.
-        min_capacity: lower bound, if given.
-    """
-    capacity = math.ceil(num_tokens / num_experts * capacity_factor)
-    return capacity if min_capacity is None else max(capacity, min_capacity)
-
-
-def apply_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
-                         drop_policy: str = "probs", pad_to_capacity: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep at most ``capacity`` tokens per expert (Megatron's apply_router_token_dropping).
-
-    Args:
-        probs: ``[N, E]`` float, 0 where not routed.
-        routing_map: ``[N, E]`` bool.
-        capacity: C, rows kept per expert.
-        drop_policy: ``"probs"`` keeps each expert's highest-prob tokens, ``"position"`` its earliest tokens.
-        pad_to_capacity: return a map with exactly ``min(C, N)`` slots per expert (drop_and_pad): kept routed
-            tokens first, then unrouted tokens with prob 0 as padding.
-    Returns:
-        ``(probs [N, E], routing_map [N, E])`` with dropped entries zeroed / False.
-    Raises:
-        ValueError: unknown ``drop_policy``.
-    """
-    num_tokens = routing_map.shape[0]
-    k = min(capacity, num_tokens)
-    if drop_policy == "probs":
-        # Unrouted entries score -1 so topk never prefers them over a routed token.
-        score = torch.where(routing_map, probs.float(), -1.0)
-    elif drop_policy == "position":
-        score = torch.where(routing_map, -torch.arange(num_tokens, device=probs.device, dtype=torch.float32)[:, None], -2.0 * num_tokens)
-    else:
-        raise ValueError(f"drop_policy: expected 'probs' or 'position', got {drop_policy!r}")
-    kept_idx = score.topk(k, dim=0).indices  # [k, E]
-    capacity_mask = torch.zeros_like(routing_map).scatter_(0, kept_idx, True)
-    kept = routing_map & capacity_mask
-    new_map = capacity_mask if pad_to_capacity else kept
-    return probs * kept, new_map
+from moe_core.moe.capacity import apply_token_dropping, get_capacity
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,

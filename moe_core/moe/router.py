@@ -1,11 +1,12 @@
-"""TopKRouter: scores, top-k selection, load-balancing losses and capacity dropping.
+"""TopKRouter: scores, top-k selection, load-balancing losses, expert bias and capacity dropping.
 
-Legend: B batch, S sequence, N = B * S tokens, H hidden, E experts, K = moe_router_topk.
+Legend: B batch, S sequence, N = B * S tokens, H hidden, E experts, K = moe_router_topk, G expert groups.
 
 Follows Megatron-LM's ``TopKRouter`` and ``topk_routing_with_score_function`` (megatron/core/transformer/moe/
 router.py, moe_utils.py): softmax (top-k then softmax, or pre-softmax) or sigmoid scores, group-limited
-top-k (DeepSeek-V2/V3), aux-loss-free expert bias (DeepSeek-V3, Wang et al. 2024), the Switch / sequence /
-global load-balancing losses and the ST-MoE z-loss, input jitter (Switch) and capacity dropping.
+top-k (DeepSeek-V2/V3), aux-loss-free expert bias (Wang et al. 2024, DeepSeek-V3), the Switch / sequence /
+global load-balancing losses and the ST-MoE z-loss (``load_balancing.py``), input jitter (Switch
+Transformer) and capacity dropping (``capacity.py``).
 """
 
 from __future__ import annotations
@@ -15,36 +16,97 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_core.config import TransformerConfig
+from moe_core.moe.capacity import apply_token_dropping, get_capacity
 from moe_core.moe.load_balancing import (
     MoEAuxLossAutoScaler,
+    routing_scores_for_aux_loss,
     sequence_load_balancing_loss,
     switch_load_balancing_loss,
     z_loss,
 )
-from moe_core.moe.moe_utils import apply_token_dropping, get_capacity
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, None: None}
+# Kept in float32 whatever dtype the module is cast to: bf16 would round away the bias's 1e-3 steps and
+# miscount large loads (Megatron's _maintain_float32_expert_bias).
+_FP32_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "global_num_tokens")
+
+
+def topk_indices(scores_NE: torch.Tensor, topk: int, num_groups: int | None = None,
+                 group_topk: int | None = None) -> torch.Tensor:
+    """Each token's K best experts; group-limited when ``num_groups`` is given (DeepSeek-V2/V3).
+
+    Group-limited: the E experts form G groups of E / G consecutive experts; a group scores the sum of its
+    best ``max(K // group_topk, 1)`` experts, each token keeps its ``group_topk`` best groups and picks its K
+    experts inside them only (Megatron's ``group_limited_topk``).
+
+    Args:
+        scores_NE: ``[N, E]`` selection scores.
+        topk: K.
+        num_groups / group_topk: G and the groups kept per token, or None for plain top-k.
+    Returns:
+        ``[N, K]`` int64 expert indices.
+    """
+    if num_groups is None:
+        return scores_NE.topk(topk, dim=-1).indices
+    num_tokens = scores_NE.shape[0]
+    scores_NGX = scores_NE.view(num_tokens, num_groups, -1)
+    group_scores_NG = scores_NGX.topk(max(topk // group_topk, 1), dim=-1).values.sum(dim=-1)
+    group_idx = group_scores_NG.topk(group_topk, dim=-1).indices
+    group_mask_NG = torch.zeros_like(group_scores_NG, dtype=torch.bool).scatter(1, group_idx, True)
+    expert_mask_NE = group_mask_NG.unsqueeze(-1).expand_as(scores_NGX).reshape(num_tokens, -1)
+    return scores_NE.masked_fill(~expert_mask_NE, float("-inf")).topk(topk, dim=-1).indices
 
 
 class TopKRouter(nn.Module):
     """Route each token to ``moe_router_topk`` of ``num_moe_experts`` experts.
 
+    Knobs (``TransformerConfig``, Megatron's names): ``moe_router_score_function``, ``moe_router_pre_softmax``,
+    ``moe_router_topk_scaling_factor``, ``moe_router_num_groups`` / ``moe_router_group_topk``,
+    ``moe_router_dtype``, ``moe_router_enable_expert_bias`` / ``moe_router_bias_update_rate``,
+    ``moe_router_load_balancing_type`` / ``moe_aux_loss_coeff`` (a type or a list of types with a list of
+    coefficients), ``moe_z_loss_coeff``, ``moe_input_jitter_eps``, ``moe_expert_capacity_factor`` /
+    ``moe_token_drop_policy`` / ``moe_pad_expert_input_to_capacity``.
+
+    Losses. Computed only in training mode with gradients enabled (not in eval, not under ``no_grad``
+    recomputation), each multiplied by its coefficient and attached to the graph through
+    ``MoEAuxLossAutoScaler`` with gradient ``aux_loss_scale``: the load-balancing losses to ``probs``, the
+    z-loss to the logits. A load-balancing type whose coefficient is 0 is skipped, as in Megatron. Their
+    inputs are every expert's softmax score (sigmoid: normalised per token) and each token's plain top-k
+    (``routing_scores_for_aux_loss``), before expert bias, group limits and dropping.
+
+    - ``aux_loss``: Switch loss ``E * sum_e f_e * P_e`` over the N tokens of this forward.
+    - ``seq_aux_loss``: the same per sequence, averaged over sequences. Sequences come from the input's
+      shape: ``[B, S, H]`` is B sequences of S tokens (batch-first, as ``MoELayer`` passes it); ``[N, H]``
+      is one sequence.
+    - ``global_aux_loss``: ``f_e`` from the loads of every forward since ``reset_global_aux_loss_tracker()``
+      (summed over ``tp_dp_group`` when given), ``P_e`` from this forward's tokens. Megatron averages the
+      counts over its micro-batches (``ga_steps``) and divides ``P`` by the group's token total; here ``f``
+      is the pooled fraction (equal to Megatron's for equal-sized micro-batches) and each rank's loss is a
+      full Switch loss, so the trainer's ``aux_loss_scale`` averages it over ranks like the main loss.
+
     Args:
-        config: ``TransformerConfig`` (the ``moe_router_*``, ``moe_aux_loss_coeff``, ``moe_z_loss_coeff``,
-            ``moe_input_jitter_eps`` and capacity fields).
-        tp_dp_group: process group over which ``global_aux_loss`` sums its token counts (the ranks that
-            see different tokens: DP x EP); None counts this process's tokens only.
+        config: ``TransformerConfig`` with ``num_moe_experts`` set.
+        tp_dp_group: process group over which ``global_aux_loss`` sums its token counts (the ranks that see
+            different tokens); None counts this process's tokens only. Every rank of it must run the same
+            number of training forwards.
 
     Attributes:
-        weight: ``[E, H]`` router weight.
-        expert_bias: ``[E]`` float32 buffer, added to the scores for selection only (when enabled).
-        local_tokens_per_expert: ``[E]`` float32 buffer, rows routed per expert since the last
-            ``update_expert_bias()``. Under data parallelism all-reduce it (sum) before that call.
-        aux_loss_scale: gradient of each aux loss in backward; the trainer sets it to the factor its main
-            loss carries (e.g. 1 / micro-batches).
-        aux_losses: after each forward, the detached loss values that entered the graph (coefficients
-            applied), keyed ``aux_loss``, ``seq_aux_loss``, ``global_aux_loss``, ``z_loss``.
-        tokens_per_expert: after each forward, ``[E]`` detached rows per expert (after dropping), for logging.
+        weight: ``[E, H]`` parameter, init normal(0, ``init_method_std``).
+        expert_bias: ``[E]`` float32 buffer, added to the selection scores only (the probs keep the unbiased
+            scores); saved in the state dict when ``moe_router_enable_expert_bias``. Megatron applies it to
+            sigmoid scores; with softmax it is added to what top-k ranks (the logits, or the pre-softmax probs).
+        local_tokens_per_expert: ``[E]`` float32 buffer, rows routed per expert (after dropping) by the
+            forwards in training mode with gradients enabled since the last ``update_expert_bias()``. It counts this process's tokens only:
+            under data parallelism all-reduce it (sum) over the data-parallel group before that call.
+        aux_loss_scale: float, the gradient each loss receives in backward (times its coefficient), read
+            by each forward; the trainer sets it before the forward to the factor its main loss carries
+            (e.g. 1 / (micro-batches * DP size)).
+        aux_losses: ``dict[str, Tensor]``, after each forward the detached raw scalar losses of that forward,
+            without their coefficients (1.0 is perfect balance), keyed ``aux_loss``, ``seq_aux_loss``,
+            ``global_aux_loss``, ``z_loss``; only the losses computed by that forward are present.
+        tokens_per_expert: ``[E]`` float32, detached rows per expert (after dropping) of the last forward.
+    Raises:
+        ValueError: ``config.num_moe_experts`` is None.
     """
 
     def __init__(self, config: TransformerConfig, tp_dp_group: dist.ProcessGroup | None = None):
@@ -62,82 +124,95 @@ class TopKRouter(nn.Module):
         coeffs = config.moe_aux_loss_coeff
         pairs = zip(types, coeffs) if isinstance(types, list) else [(types, coeffs)]
         self.aux_loss_coeffs = {t: float(c) for t, c in pairs if t != "none" and c}
-        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32),
-                             persistent=config.moe_router_enable_expert_bias)
-        self.register_buffer("local_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
-                             persistent=False)
-        self.register_buffer("global_tokens_per_expert", torch.zeros(self.num_experts, dtype=torch.float32),
-                             persistent=False)
+        zeros = torch.zeros(self.num_experts, dtype=torch.float32)
+        self.register_buffer("expert_bias", zeros.clone(), persistent=config.moe_router_enable_expert_bias)
+        self.register_buffer("local_tokens_per_expert", zeros.clone(), persistent=False)
+        self.register_buffer("global_tokens_per_expert", zeros.clone(), persistent=False)
         self.register_buffer("global_num_tokens", torch.zeros((), dtype=torch.float32), persistent=False)
         self.aux_loss_scale = 1.0
         self.aux_losses: dict[str, torch.Tensor] = {}
-        self.tokens_per_expert = torch.zeros(self.num_experts)
+        self.tokens_per_expert = zeros.clone()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in _FP32_BUFFERS:
+            self._buffers[name] = self._buffers[name].float()
+        return self
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route ``hidden``.
 
         Args:
-            hidden: ``[B, S, H]`` (batch-first; the sequence loss is per sequence) or ``[N, H]`` (one sequence).
+            hidden: ``[B, S, H]`` (B sequences of S tokens, batch-first) or ``[N, H]`` (one sequence), float.
         Returns:
-            ``probs`` ``[N, E]`` float32, the weight of each selected expert and 0 elsewhere, and
-            ``routing_map`` ``[N, E]`` bool. Aux losses are attached to ``probs``'s graph.
+            ``probs`` ``[N, E]`` float32: the weight of each selected expert, exactly 0 elsewhere (and where
+            dropped); ``routing_map`` ``[N, E]`` bool: True where token n goes to expert e. N = B * S.
         Raises:
-            ValueError: ``hidden``'s last dimension is not ``hidden_size`` or its rank is not 2 or 3.
+            ValueError: ``hidden`` is not ``[B, S, hidden_size]`` or ``[N, hidden_size]``.
+            TypeError: ``hidden`` is not floating point.
         """
-        if hidden.dim() not in (2, 3) or hidden.shape[-1] != self.weight.shape[1]:
+        hidden_size = self.weight.shape[1]
+        if hidden.dim() not in (2, 3) or hidden.shape[-1] != hidden_size:
             raise ValueError(
-                f"hidden: expected [B, S, {self.weight.shape[1]}] or [N, {self.weight.shape[1]}], got {tuple(hidden.shape)}"
+                f"hidden: expected [B, S, {hidden_size}] or [N, {hidden_size}], got {tuple(hidden.shape)}"
             )
-        seq_shape = hidden.shape[:-1] if hidden.dim() == 3 else (1, hidden.shape[0])
-        hidden_NH = hidden.reshape(-1, hidden.shape[-1])
-        logits_NE = self._logits(hidden_NH)
+        if not hidden.is_floating_point():
+            raise TypeError(f"hidden: expected a floating dtype, got {hidden.dtype}")
+        batch, seq = hidden.shape[:2] if hidden.dim() == 3 else (1, hidden.shape[0])
+        with_losses = self.training and torch.is_grad_enabled()
+        losses: dict[str, torch.Tensor] = {}
+        logits_NE = self._logits(hidden.reshape(-1, hidden_size))
+        if with_losses and self.config.moe_z_loss_coeff:
+            losses["z_loss"] = z_loss(logits_NE)
+            logits_NE = MoEAuxLossAutoScaler.apply(
+                logits_NE, losses["z_loss"] * self.config.moe_z_loss_coeff, self.aux_loss_scale
+            )
         probs_NE, routing_map_NE = self._topk_routing(logits_NE)
-        losses = self._losses(logits_NE, routing_map_NE, seq_shape)
+        routed_NE = routing_map_NE
         if self.config.moe_expert_capacity_factor is not None:
-            capacity = get_capacity(hidden_NH.shape[0] * self.topk, self.num_experts,
-                                    self.config.moe_expert_capacity_factor)
+            capacity = get_capacity(logits_NE.shape[0], self.num_experts, self.config.moe_expert_capacity_factor,
+                                    self.topk)
             probs_NE, routing_map_NE = apply_token_dropping(
                 probs_NE, routing_map_NE, capacity, self.config.moe_token_drop_policy,
                 self.config.moe_pad_expert_input_to_capacity,
             )
-        aux_total = sum((v for k, v in losses.items() if k != "z_loss"), torch.zeros((), device=hidden.device))
-        if aux_total.requires_grad:
-            probs_NE = MoEAuxLossAutoScaler.apply(probs_NE, aux_total, self.aux_loss_scale)
-        self.aux_losses = {k: v.detach() for k, v in losses.items()}
+        if with_losses and self.aux_loss_coeffs:
+            balancing = self._load_balancing_losses(logits_NE, batch, seq)
+            losses.update(balancing)
+            total = sum(self.aux_loss_coeffs[kind] * loss for kind, loss in balancing.items())
+            probs_NE = MoEAuxLossAutoScaler.apply(probs_NE, total, self.aux_loss_scale)
+        self.aux_losses = {kind: loss.detach() for kind, loss in losses.items()}
         with torch.no_grad():
-            routed = routing_map_NE.sum(dim=0).float()
-            self.tokens_per_expert = routed
-            if self.training:
-                self.local_tokens_per_expert += routed
+            # Padding slots of drop_and_pad are not routed rows: count kept routed rows only.
+            self.tokens_per_expert = (routed_NE & routing_map_NE).sum(dim=0).float()
+            if with_losses:
+                self.local_tokens_per_expert += self.tokens_per_expert
         return probs_NE.float(), routing_map_NE
 
     def _logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
+        """``[N, E]`` logits, computed in ``moe_router_dtype`` and returned in at least float32."""
         eps = self.config.moe_input_jitter_eps
         if self.training and eps:
             hidden_NH = hidden_NH * torch.empty_like(hidden_NH).uniform_(1.0 - eps, 1.0 + eps)
         dtype = self.router_dtype or hidden_NH.dtype
         logits_NE = hidden_NH.to(dtype) @ self.weight.to(dtype).t()
-        coeff = self.config.moe_z_loss_coeff
-        if coeff and self.training and logits_NE.requires_grad:
-            loss = z_loss(logits_NE, coeff)
-            self._z_loss = loss
-            logits_NE = MoEAuxLossAutoScaler.apply(logits_NE, loss, self.aux_loss_scale)
-        else:
-            self._z_loss = None
-        return logits_NE
+        # Scores, top-k and losses never run in bf16, whatever the GEMM ran in (Megatron: fp32 scores).
+        return logits_NE.to(torch.promote_types(dtype, torch.float32))
 
     def _topk_routing(self, logits_NE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs [N, E], routing_map [N, E] bool)`` before dropping (Megatron's
+        ``topk_routing_with_score_function``)."""
         cfg = self.config
         if cfg.moe_router_score_function == "sigmoid":
             scores_NE = torch.sigmoid(logits_NE)
         elif cfg.moe_router_pre_softmax:
             scores_NE = torch.softmax(logits_NE, dim=-1)
         else:
-            scores_NE = logits_NE  # select on logits, softmax over the selected ones (Mixtral)
+            scores_NE = logits_NE  # top-k on the logits, softmax over the K selected (Mixtral)
         selection_NE = scores_NE
         if cfg.moe_router_enable_expert_bias:
-            selection_NE = scores_NE + self.expert_bias.to(scores_NE.dtype)
-        top_idx_NK = self._select(selection_NE)
+            selection_NE = scores_NE.detach() + self.expert_bias.to(scores_NE.dtype)
+        top_idx_NK = topk_indices(selection_NE, self.topk, cfg.moe_router_num_groups, cfg.moe_router_group_topk)
         top_NK = scores_NE.gather(1, top_idx_NK)
         if cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax:
             top_NK = torch.softmax(top_NK, dim=-1)
@@ -149,77 +224,53 @@ class TopKRouter(nn.Module):
         routing_map_NE = torch.zeros_like(scores_NE, dtype=torch.bool).scatter(1, top_idx_NK, True)
         return probs_NE, routing_map_NE
 
-    def _select(self, selection_NE: torch.Tensor) -> torch.Tensor:
-        """Top-k expert indices ``[N, K]``; group-limited: only experts of each token's best groups compete."""
-        groups, group_topk = self.config.moe_router_num_groups, self.config.moe_router_group_topk
-        if groups is None:
-            return selection_NE.topk(self.topk, dim=-1).indices
-        num_tokens = selection_NE.shape[0]
-        grouped = selection_NE.view(num_tokens, groups, -1)
-        # A group's score is the sum of its best topk / group_topk experts (DeepSeek-V3).
-        per_group = max(self.topk // group_topk, 1)
-        group_scores_NG = grouped.topk(per_group, dim=-1).values.sum(dim=-1)
-        group_idx = group_scores_NG.topk(group_topk, dim=-1).indices
-        group_mask = torch.zeros_like(group_scores_NG, dtype=torch.bool).scatter(1, group_idx, True)
-        expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, -1)
-        return selection_NE.masked_fill(~expert_mask, float("-inf")).topk(self.topk, dim=-1).indices
-
-    def _aux_scores(self, logits_NE: torch.Tensor) -> torch.Tensor:
-        # Every expert's score, normalised per token (Megatron's compute_routing_scores_for_aux_loss).
-        if self.config.moe_router_score_function == "sigmoid":
-            scores = torch.sigmoid(logits_NE)
-            return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-        return torch.softmax(logits_NE, dim=-1)
-
-    def _losses(self, logits_NE: torch.Tensor, routing_map_NE: torch.Tensor, seq_shape) -> dict[str, torch.Tensor]:
-        losses: dict[str, torch.Tensor] = {}
-        if self._z_loss is not None:
-            losses["z_loss"] = self._z_loss
-        if not self.aux_loss_coeffs or not self.training:
-            return losses
-        scores_NE = self._aux_scores(logits_NE)
-        counts_E = routing_map_NE.sum(dim=0).float()
+    def _load_balancing_losses(self, logits_NE: torch.Tensor, batch: int, seq: int) -> dict[str, torch.Tensor]:
+        """Raw load-balancing losses, one per type with a nonzero coefficient."""
+        scores_NE, routing_map_NE = routing_scores_for_aux_loss(logits_NE, self.config.moe_router_score_function,
+                                                                self.topk)
         num_tokens = logits_NE.shape[0]
-        for kind, coeff in self.aux_loss_coeffs.items():
+        losses: dict[str, torch.Tensor] = {}
+        for kind in self.aux_loss_coeffs:
             if kind == "aux_loss":
-                losses[kind] = switch_load_balancing_loss(scores_NE, counts_E, num_tokens, self.topk, coeff)
+                losses[kind] = switch_load_balancing_loss(scores_NE, routing_map_NE.sum(dim=0), num_tokens, self.topk)
             elif kind == "seq_aux_loss":
-                batch, seq = seq_shape
                 losses[kind] = sequence_load_balancing_loss(
-                    scores_NE.view(batch, seq, -1), routing_map_NE.view(batch, seq, -1), self.topk, coeff
+                    scores_NE.view(batch, seq, -1), routing_map_NE.view(batch, seq, -1), self.topk
                 )
             else:
-                global_counts, global_tokens = self._global_counts(counts_E, num_tokens)
-                losses[kind] = switch_load_balancing_loss(scores_NE, global_counts, global_tokens, self.topk, coeff)
+                counts_E, total = self._accumulate_global_counts(routing_map_NE.sum(dim=0), num_tokens)
+                losses[kind] = switch_load_balancing_loss(scores_NE, counts_E, total, self.topk)
         return losses
 
-    def _global_counts(self, counts_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Counts over every forward since ``reset_global_aux_loss_tracker()`` and over ``tp_dp_group``."""
-        stats = torch.cat([counts_E, counts_E.new_tensor([num_tokens])])
+    @torch.no_grad()
+    def _accumulate_global_counts(self, counts_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add this forward's loads (summed over ``tp_dp_group``) to the global tracker; return its totals."""
+        stats = torch.cat([counts_E.float(), counts_E.new_tensor([num_tokens], dtype=torch.float32)])
         if self.tp_dp_group is not None:
             dist.all_reduce(stats, group=self.tp_dp_group)
-        with torch.no_grad():
-            self.global_tokens_per_expert += stats[:-1]
-            self.global_num_tokens += stats[-1]
+        self.global_tokens_per_expert += stats[:-1]
+        self.global_num_tokens += stats[-1]
         return self.global_tokens_per_expert.clone(), self.global_num_tokens.clone()
 
     def reset_global_aux_loss_tracker(self) -> None:
-        """Start a new global batch for ``global_aux_loss`` (Megatron resets it every optimizer step)."""
+        """Start a new global batch for ``global_aux_loss``; call after each optimizer step (as Megatron does)."""
         self.global_tokens_per_expert.zero_()
         self.global_num_tokens.zero_()
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:
-        """Aux-loss-free balancing step: ``bias += rate * sign(mean_load - load)``, then reset the counter.
+        """Aux-loss-free balancing step ``expert_bias += rate * sign(mean_e(load) - load)``; resets the counter.
 
-        Call after the optimizer step, once ``local_tokens_per_expert`` holds the global batch's counts
-        (all-reduced over data-parallel ranks). No-op unless ``moe_router_enable_expert_bias``.
-        Source: Wang et al. 2024 (Auxiliary-Loss-Free Load Balancing), Megatron's get_updated_expert_bias.
+        ``load`` is ``local_tokens_per_expert``; call after the optimizer step, once it holds the global
+        batch's counts (all-reduce it over the data-parallel group first, so the bias stays equal on all
+        ranks). The bias moves only when ``moe_router_enable_expert_bias``; the counter is always reset.
+        Source: Wang et al. 2024 (Auxiliary-Loss-Free Load Balancing, arXiv:2408.15664), Megatron's
+        ``get_updated_expert_bias``.
         """
         if self.config.moe_router_enable_expert_bias:
-            load = self.local_tokens_per_expert
-            self.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(load.mean() - load)
+            load_E = self.local_tokens_per_expert
+            self.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(load_E.mean() - load_E)
         self.local_tokens_per_expert.zero_()
 
 
-__all__ = ["TopKRouter"]
+__all__ = ["TopKRouter", "topk_indices"]

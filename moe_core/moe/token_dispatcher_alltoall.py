@@ -183,7 +183,9 @@ def _split_sizes_to_host(input_splits: torch.Tensor, counts: torch.Tensor) -> tu
     return host[: input_splits.numel()], host[input_splits.numel():]
 
 
-def check_dispatch_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor, num_experts: int) -> None:
+def check_dispatch_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                          num_experts: int) -> None:
+    """Raise ``ValueError`` / ``TypeError`` unless hidden is [N, H], probs and routing_map [N, E], the map bool."""
     if hidden.dim() != 2:
         raise ValueError(f"hidden: expected [N, H], got shape {tuple(hidden.shape)}")
     expected = (hidden.shape[0], num_experts)

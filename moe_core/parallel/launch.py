@@ -15,8 +15,9 @@ def init_distributed(expert_model_parallel_size: int = 1, *, num_moe_experts: in
     """Initialise torch.distributed from torchrun's environment and build the EP groups.
 
     Returns ``None`` for a single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) with EP 1: the single-rank
-    path, no process group. An already initialised default group is reused. Backend: ``backend``, else ``MOE_CORE_BACKEND``, else NCCL when CUDA is
-    available and gloo otherwise; under NCCL each rank uses ``cuda:LOCAL_RANK``.
+    path, no process group. An already initialised default group is reused. Backend: ``backend``, else
+    ``MOE_CORE_BACKEND``, else NCCL when CUDA is available and gloo otherwise; under NCCL each rank uses
+    ``cuda:LOCAL_RANK``.
 
     Raises:
         ValueError: sizes do not divide (checked on every rank before any collective), or EP > 1 without

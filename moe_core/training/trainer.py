@@ -113,7 +113,7 @@ def expert_load_stats(model: GPTModel) -> dict[str, float]:
 
 
 def router_losses(model: GPTModel) -> dict[str, float]:
-    """Each aux / z loss of the last forward, summed over MoE layers (coefficients applied)."""
+    """Each aux / z loss of the last forward, summed over MoE layers (raw values without their coefficients; 1.0 is a balanced router)."""
     totals: dict[str, float] = {}
     for layer in model.moe_layers():
         for key, value in layer.router.aux_losses.items():
@@ -163,7 +163,8 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
     # Parameter and FLOP counts of the whole model (every EP rank's experts), from a weightless copy.
     with torch.device("meta"):
         whole = GPTModel(dataclasses.replace(model_config, expert_model_parallel_size=1))
-    log(f"model: {whole.num_parameters() / 1e6:.2f}M parameters, {whole.num_parameters(active=True) / 1e6:.2f}M active; "
+    log(f"model: {whole.num_parameters() / 1e6:.2f}M parameters, "
+        f"{whole.num_parameters(active=True) / 1e6:.2f}M active; "
         f"corpus: {len(streams['train']):,} train / {len(streams['valid']):,} valid {tokenizer.unit}s")
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters)

@@ -3,7 +3,7 @@
 Spawning N Python processes and importing torch costs seconds, so each world size gets one pool of worker
 processes for the whole session; a test sends the name of a module-level function to every rank and waits
 for all N results. A rank that raises, or a group that misses the deadline (a hang in a collective), fails
-the test and the pool is killed and rebuilt for the next test, so CI never hangs.
+the test; unless every rank answered, the pool is killed and rebuilt for the next test, so CI never hangs.
 
 Backend: gloo on CPU by default; ``MOE_CORE_TEST_BACKEND=nccl`` runs the same tests on NCCL with one CUDA
 device per rank (world sizes above the GPU count are skipped).
@@ -100,7 +100,7 @@ class WorkerPool:
         """Run ``fn(**kwargs)`` on every rank; return the per-rank results, rank order.
 
         Raises ``RankFailure`` when a rank raised and ``DeadlineExceeded`` when not all ranks answered within
-        ``timeout`` seconds; in both cases the pool is killed (a rank may be stuck in a collective).
+        ``timeout`` seconds; the pool is killed unless every rank answered (one may be stuck in a collective).
         """
         for q in self._tasks:
             q.put((fn.__module__, fn.__name__, kwargs))
@@ -116,7 +116,8 @@ class WorkerPool:
                 break
             (out if ok else errors)[rank] = value
         if errors or len(out) < self.world_size:
-            self.close(kill=True)
+            if len(out) + len(errors) < self.world_size:
+                self.close(kill=True)  # a rank may be stuck in a collective; answered ranks are back in the loop
             if errors:
                 raise RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
             missing = sorted(set(range(self.world_size)) - set(out))

@@ -24,11 +24,11 @@ DISPATCHERS = {"alltoall": MoEAlltoAllTokenDispatcher, "allgather": MoEAllGather
 
 @dataclass(frozen=True)
 class Scenario:
-    """A routing of the global batch. ``counts``: tokens per rank (None: equal split)."""
+    """A routing of the global batch (see ``forced_routing``); ``empty_rank`` holds no tokens at all."""
 
     name: str
     topk: int = 2
-    empty_rank: int | None = None  # this rank gets no tokens at all (it sends zero rows)
+    empty_rank: int | None = None
 
 
 SCENARIOS = {

@@ -38,8 +38,10 @@ def _rank0_waits_alone() -> None:
     import torch
     import torch.distributed as dist
 
+    from tests.parallel._launch import device
+
     if dist.get_rank() == 0:
-        dist.all_reduce(torch.ones(1))  # rank 1 never joins: a hang
+        dist.all_reduce(torch.ones(1, device=device()))  # rank 1 never joins: a hang
 
 
 def _rank1_raises() -> None:

@@ -1,0 +1,153 @@
+// CUDA implementations of the three grouped GEMM ops (schemas in csrc/ops.cpp, CPU twins in
+// csrc/grouped_gemm_cpu.cpp). tokens_per_expert is never read on the host: a one-block kernel turns it into
+// device-side row/tile offsets that the GEMM kernels read, so each op is two launches whatever the counts
+// (T == 0 and all-empty included) and capturable in a CUDA graph.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "grouped_gemm.h"
+#include "grouped_gemm_kernels.h"
+
+namespace moe_core {
+namespace {
+
+using cuda::GemmKind;
+using cuda::GroupedGemmArgs;
+
+void check_on_device(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK(t.device() == device, name, ": expected a tensor on ", device, ", got ", t.device());
+}
+
+void check_dtype(const at::Tensor& x) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat || dtype == at::kDouble,
+              "x: expected bfloat16, float16, float32 or float64, got ", dtype);
+}
+
+// Counts on the GPU stay there; CPU counts are copied over asynchronously (the copy enqueues, no sync on the
+// values). Returns them contiguous on x's device.
+at::Tensor counts_on(const at::Tensor& tokens_per_expert, const at::Device& device) {
+  return tokens_per_expert.to(device, /*non_blocking=*/true).contiguous();
+}
+
+// Row offsets [E + 1] then forward tile offsets [E + 2], computed on the device.
+at::Tensor device_offsets(const at::Tensor& counts, int64_t num_rows, int64_t tile_rows, cudaStream_t stream) {
+  auto workspace = at::empty({2 * counts.numel() + 3}, counts.options().dtype(at::kLong));
+  cuda::launch_row_offsets(counts, workspace, num_rows, tile_rows, stream);
+  return workspace;
+}
+
+// 16-byte vector loads need an aligned base and leading dimension (and expert stride) in whole vectors.
+bool vector_ok(const at::Tensor& t, int64_t ld, int64_t stride) {
+  const int64_t vec = 16 / static_cast<int64_t>(t.element_size());
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && ld % vec == 0 && stride % vec == 0;
+}
+
+at::Tensor grouped_gemm_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& tokens_per_expert,
+                             bool trans_weight) {
+  check_forward_inputs(x, weight, tokens_per_expert);
+  check_dtype(x);
+  const int64_t k = trans_weight ? weight.size(2) : weight.size(1);
+  const int64_t n = trans_weight ? weight.size(1) : weight.size(2);
+  TORCH_CHECK(x.size(1) == k, "x: expected K = ", k, " columns to match weight ", weight.sizes(),
+              " (trans_weight=", trans_weight, "), got ", x.size(1));
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto xc = x.contiguous();
+  const auto wc = weight.contiguous();
+  auto out = at::empty({x.size(0), n}, x.options());
+  if (n == 0) return out;  // a shape (no column tiles), not the counts
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto counts = counts_on(tokens_per_expert, x.device());
+  const auto offsets = device_offsets(counts, x.size(0), cuda::forward_tile_rows(x.scalar_type()), stream);
+
+  GroupedGemmArgs args;
+  args.a = xc.data_ptr();
+  args.b = wc.data_ptr();
+  args.c = out.data_ptr();
+  args.lda = k;
+  args.ldb = trans_weight ? k : n;
+  args.b_expert_stride = k * n;
+  args.m = x.size(0);
+  args.n = n;
+  args.k = k;
+  args.num_experts = weight.size(0);
+  args.row_offsets = offsets.data_ptr<int64_t>();
+  args.tile_offsets = args.row_offsets + args.num_experts + 1;
+  args.b_row_major = !trans_weight;
+  args.vec_a = vector_ok(xc, k, 0);
+  args.vec_b = vector_ok(wc, args.ldb, k * n);
+  cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kForward, args, stream);
+  return out;
+}
+
+// dw[e] = x_e^T dy_e ([K, N]) or dy_e^T x_e ([N, K]): the left operand is read column-major from its rows.
+GroupedGemmArgs wgrad_args(const at::Tensor& xc, const at::Tensor& dyc, bool trans_weight,
+                           const at::Tensor& offsets, void* out) {
+  const auto& left = trans_weight ? dyc : xc;
+  const auto& right = trans_weight ? xc : dyc;
+  GroupedGemmArgs args;
+  args.a = left.data_ptr();
+  args.b = right.data_ptr();
+  args.c = out;
+  args.lda = left.size(1);
+  args.ldb = right.size(1);
+  args.m = left.size(1);
+  args.n = right.size(1);
+  args.num_experts = offsets.numel() / 2 - 1;
+  args.row_offsets = offsets.data_ptr<int64_t>();
+  args.vec_a = vector_ok(left, args.lda, 0);
+  args.vec_b = vector_ok(right, args.ldb, 0);
+  return args;
+}
+
+at::Tensor grouped_gemm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& tokens_per_expert,
+                                   bool trans_weight) {
+  check_wgrad_inputs(x, dy, tokens_per_expert);
+  check_dtype(x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t num_experts = tokens_per_expert.size(0), k = x.size(1), n = dy.size(1);
+  auto dw = trans_weight ? at::empty({num_experts, n, k}, x.options()) : at::empty({num_experts, k, n}, x.options());
+  if (dw.numel() == 0) return dw;  // shapes only: no expert or an empty weight
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto xc = x.contiguous();
+  const auto dyc = dy.contiguous();
+  const auto offsets = device_offsets(counts_on(tokens_per_expert, x.device()), x.size(0), 1, stream);
+  cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgrad, wgrad_args(xc, dyc, trans_weight, offsets, dw.data_ptr()),
+                            stream);
+  return dw;
+}
+
+void grouped_gemm_wgrad_accum_cuda(at::Tensor& main_grad, const at::Tensor& x, const at::Tensor& dy,
+                                   const at::Tensor& tokens_per_expert, bool trans_weight) {
+  check_wgrad_inputs(x, dy, tokens_per_expert);
+  check_dtype(x);
+  const int64_t num_experts = tokens_per_expert.size(0), k = x.size(1), n = dy.size(1);
+  TORCH_CHECK(main_grad.scalar_type() == at::kFloat, "main_grad: expected float32, got ", main_grad.scalar_type());
+  check_on_device(main_grad, "main_grad", x.device());
+  const std::vector<int64_t> expected = trans_weight ? std::vector<int64_t>{num_experts, n, k}
+                                                     : std::vector<int64_t>{num_experts, k, n};
+  TORCH_CHECK(main_grad.sizes() == at::IntArrayRef(expected), "main_grad: expected ", at::IntArrayRef(expected),
+              ", got ", main_grad.sizes());
+  TORCH_CHECK(main_grad.is_contiguous(), "main_grad: expected a contiguous tensor");
+  if (main_grad.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto xc = x.contiguous();
+  const auto dyc = dy.contiguous();
+  const auto offsets = device_offsets(counts_on(tokens_per_expert, x.device()), x.size(0), 1, stream);
+  cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgradAccum,
+                            wgrad_args(xc, dyc, trans_weight, offsets, main_grad.data_ptr()), stream);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
+  m.impl("grouped_gemm", &grouped_gemm_cuda);
+  m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad_cuda);
+  m.impl("grouped_gemm_wgrad_accum_", &grouped_gemm_wgrad_accum_cuda);
+}
+
+}  // namespace moe_core

@@ -1,0 +1,387 @@
+// CUDA grouped GEMM kernels: one launch per op whatever the counts, tiles located from device-side offsets.
+//
+// bf16/fp16: 128x128x32 CTA tiles, 8 warps of 64x32 on WMMA tensor cores (fp32 accumulate).
+// fp32/fp64: 64x64x16 CTA tiles on FFMA/DFMA (4x4 outputs per thread), so fp32 keeps fp32 accuracy (no TF32).
+// Loads are guarded element-wise at every edge (any K, N, row count); 16-byte vector loads are used where the
+// host proved them aligned. Forward grid: one CTA per (row tile, column tile) with row tiles numbered across
+// experts (ceil(T / BM) + E + 1 is an upper bound, surplus CTAs exit); wgrad grid: (column tile, row tile, e).
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+#include <c10/cuda/CUDAException.h>
+
+#include "grouped_gemm_kernels.h"
+
+namespace moe_core::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+// ---- offsets ----
+
+template <typename CountT>
+__global__ void __launch_bounds__(kThreads) row_offsets_kernel(const CountT* counts, int64_t num_experts,
+                                                                int64_t num_rows, int64_t tile_rows,
+                                                                int64_t* row_offsets, int64_t* tile_offsets) {
+  using Scan = cub::BlockScan<int64_t, kThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  __shared__ int64_t carry_rows, carry_tiles;
+  if (threadIdx.x == 0) {
+    carry_rows = carry_tiles = 0;
+    row_offsets[0] = tile_offsets[0] = 0;
+  }
+  __syncthreads();
+  for (int64_t base = 0; base < num_experts; base += kThreads) {
+    const int64_t e = base + threadIdx.x;
+    // Negative counts count as empty and offsets are clamped to T: bad counts (unchecked, a check would sync)
+    // can only mis-assign rows, never touch memory outside x and y.
+    const int64_t count = e < num_experts ? max(static_cast<int64_t>(counts[e]), int64_t{0}) : 0;
+    int64_t incl, total;
+    Scan(temp).InclusiveSum(count, incl, total);
+    __syncthreads();
+    const int64_t end = min(carry_rows + incl, num_rows);
+    const int64_t begin = min(carry_rows + incl - count, num_rows);
+    const int64_t tiles = (end - begin + tile_rows - 1) / tile_rows;
+    int64_t tiles_incl, tiles_total;
+    Scan(temp).InclusiveSum(tiles, tiles_incl, tiles_total);
+    if (e < num_experts) {
+      row_offsets[e + 1] = end;
+      tile_offsets[e + 1] = carry_tiles + tiles_incl;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      carry_rows += total;
+      carry_tiles += tiles_total;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    // Rows past the counts' sum form one last group that is written as zeros, so every row of y is written.
+    const int64_t covered = min(carry_rows, num_rows);
+    tile_offsets[num_experts + 1] = carry_tiles + (num_rows - covered + tile_rows - 1) / tile_rows;
+  }
+}
+
+// ---- element helpers ----
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+template <typename T> __device__ __forceinline__ T from_acc(float v);
+template <> __device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <typename T> __device__ __forceinline__ T from_acc(double v) { return static_cast<T>(v); }
+
+template <typename T> __device__ __forceinline__ T zero_value() { return from_acc<T>(0.0f); }
+template <> __device__ __forceinline__ double zero_value<double>() { return 0.0; }
+
+// smem[r * LDS + c] = g[r * ld + c] for a ROWS x COLS tile (c contiguous in memory), zero outside
+// [row_lim, col_lim).
+template <typename T, int ROWS, int COLS, int LDS>
+__device__ __forceinline__ void load_tile(T* smem, const T* g, int64_t ld, int64_t row_lim, int64_t col_lim,
+                                          bool vec) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kChunksPerRow = COLS / kVec;
+  static_assert(COLS % kVec == 0 && LDS % kVec == 0, "tile rows must hold whole 16-byte chunks");
+#pragma unroll
+  for (int i = threadIdx.x; i < ROWS * kChunksPerRow; i += kThreads) {
+    const int r = i / kChunksPerRow;
+    const int c = (i % kChunksPerRow) * kVec;
+    T* dst = smem + r * LDS + c;
+    const T* src = g + r * ld + c;
+    if (vec && r < row_lim && c + kVec <= col_lim) {
+      *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(src));
+    } else {
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) dst[v] = (r < row_lim && c + v < col_lim) ? src[v] : zero_value<T>();
+    }
+  }
+}
+
+// ---- tile location ----
+
+template <typename T>
+struct Tile {
+  const T* a;        // A at (tile row 0, k 0)
+  const T* b;        // B at (k 0, tile column 0)
+  int64_t m_lim;     // valid rows of the tile
+  int64_t n_lim;     // valid columns
+  int64_t k_len;     // reduction length (0: the tile is all zeros)
+  int64_t c_offset;  // element offset of the tile's (0, 0) in c
+  int64_t ldc;
+  bool active;
+};
+
+template <typename T, int BM, int BN, GemmKind kKind, bool B_ROW>
+__device__ __forceinline__ Tile<T> locate_tile(const GroupedGemmArgs& p) {
+  Tile<T> t{};
+  const T* a = static_cast<const T*>(p.a);
+  const T* b = static_cast<const T*>(p.b);
+  if constexpr (kKind == GemmKind::kForward) {
+    const int64_t tile = blockIdx.x;
+    const int64_t n0 = static_cast<int64_t>(blockIdx.y) * BN;
+    const int64_t* tiles = p.tile_offsets;
+    t.active = tile < tiles[p.num_experts + 1];
+    if (!t.active) return t;
+    // The group owning this row tile: the last g in [0, E] with tiles[g] <= tile (group E: rows past the sum).
+    int64_t lo = 0, hi = p.num_experts;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (tiles[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    const int64_t g = lo;
+    const int64_t m0 = p.row_offsets[g] + (tile - tiles[g]) * BM;
+    const int64_t group_end = g < p.num_experts ? p.row_offsets[g + 1] : p.m;
+    t.m_lim = min(static_cast<int64_t>(BM), group_end - m0);
+    t.n_lim = min(static_cast<int64_t>(BN), p.n - n0);
+    t.k_len = g < p.num_experts ? p.k : 0;
+    t.a = a + m0 * p.lda;
+    const T* w = b + (g < p.num_experts ? g * p.b_expert_stride : 0);
+    t.b = B_ROW ? w + n0 : w + n0 * p.ldb;
+    t.c_offset = m0 * p.n + n0;
+    t.ldc = p.n;
+  } else {
+    const int64_t e = blockIdx.z;
+    const int64_t m0 = static_cast<int64_t>(blockIdx.y) * BM;
+    const int64_t n0 = static_cast<int64_t>(blockIdx.x) * BN;
+    const int64_t r0 = p.row_offsets[e];
+    t.k_len = p.row_offsets[e + 1] - r0;
+    // An empty expert: wgrad writes its zeros (k_len == 0), the accumulating variant leaves main_grad alone.
+    t.active = kKind == GemmKind::kWgrad || t.k_len > 0;
+    t.m_lim = min(static_cast<int64_t>(BM), p.m - m0);
+    t.n_lim = min(static_cast<int64_t>(BN), p.n - n0);
+    t.a = a + r0 * p.lda + m0;
+    t.b = b + r0 * p.ldb + n0;
+    t.c_offset = e * p.m * p.n + m0 * p.n + n0;
+    t.ldc = p.n;
+  }
+  return t;
+}
+
+template <typename T, GemmKind kKind, typename V>
+__device__ __forceinline__ void store(const GroupedGemmArgs& p, const Tile<T>& t, int64_t m, int64_t n, V v) {
+  const int64_t idx = t.c_offset + m * t.ldc + n;
+  if constexpr (kKind == GemmKind::kWgradAccum) {
+    static_cast<float*>(p.c)[idx] += static_cast<float>(v);
+  } else {
+    static_cast<T*>(p.c)[idx] = from_acc<T>(v);
+  }
+}
+
+// Loads one BK slice of A (BM x BK) and B (BK x BN) into shared memory in the operands' own memory order, so
+// global reads stay coalesced for both layouts. Forward: A row-major; wgrad: A column-major, B row-major.
+template <typename T, int BM, int BN, int BK, int PAD, bool A_ROW, bool B_ROW>
+__device__ __forceinline__ void load_slice(T* as, T* bs, const Tile<T>& t, const GroupedGemmArgs& p, int64_t k0) {
+  const int64_t k_rem = t.k_len - k0;
+  if constexpr (A_ROW) {
+    load_tile<T, BM, BK, BK + PAD>(as, t.a + k0, p.lda, t.m_lim, k_rem, p.vec_a);
+  } else {
+    load_tile<T, BK, BM, BM + PAD>(as, t.a + k0 * p.lda, p.lda, k_rem, t.m_lim, p.vec_a);
+  }
+  if constexpr (B_ROW) {
+    load_tile<T, BK, BN, BN + PAD>(bs, t.b + k0 * p.ldb, p.ldb, k_rem, t.n_lim, p.vec_b);
+  } else {
+    load_tile<T, BN, BK, BK + PAD>(bs, t.b + k0, p.ldb, t.n_lim, k_rem, p.vec_b);
+  }
+}
+
+// ---- bf16 / fp16: WMMA ----
+
+namespace wmma = nvcuda::wmma;
+
+template <typename T, GemmKind kKind, bool A_ROW, bool B_ROW>
+__global__ void __launch_bounds__(kThreads) wmma_grouped_gemm(const GroupedGemmArgs p) {
+  constexpr int BM = 128, BN = 128, BK = 32, PAD = 8;
+  constexpr int A_ELEMS = A_ROW ? BM * (BK + PAD) : BK * (BM + PAD);
+  constexpr int B_ELEMS = B_ROW ? BK * (BN + PAD) : BN * (BK + PAD);
+  constexpr int kOperandBytes = (A_ELEMS + B_ELEMS) * sizeof(T);
+  constexpr int kScratchBytes = (kThreads / 32) * 16 * 16 * sizeof(float);
+  __shared__ __align__(128) unsigned char smem[kOperandBytes > kScratchBytes ? kOperandBytes : kScratchBytes];
+  T* as = reinterpret_cast<T*>(smem);
+  T* bs = as + A_ELEMS;
+
+  const Tile<T> t = locate_tile<T, BM, BN, kKind, B_ROW>(p);
+  if (!t.active) return;
+
+  using ALayout = std::conditional_t<A_ROW, wmma::row_major, wmma::col_major>;
+  using BLayout = std::conditional_t<B_ROW, wmma::row_major, wmma::col_major>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp_m = (warp / 4) * 64, warp_n = (warp % 4) * 32;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[4][2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+
+  for (int64_t k0 = 0; k0 < t.k_len; k0 += BK) {
+    load_slice<T, BM, BN, BK, PAD, A_ROW, B_ROW>(as, bs, t, p, k0);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, ALayout> fa[4];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> fb[2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = warp_m + i * 16;
+        if constexpr (A_ROW) wmma::load_matrix_sync(fa[i], as + m * (BK + PAD) + kk, BK + PAD);
+        else wmma::load_matrix_sync(fa[i], as + kk * (BM + PAD) + m, BM + PAD);
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int n = warp_n + j * 16;
+        if constexpr (B_ROW) wmma::load_matrix_sync(fb[j], bs + kk * (BN + PAD) + n, BN + PAD);
+        else wmma::load_matrix_sync(fb[j], bs + n * (BK + PAD) + kk, BK + PAD);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+
+  // Each warp stages one 16x16 accumulator at a time in its own scratch and writes it with edge guards.
+  float* scratch = reinterpret_cast<float*>(smem) + warp * 256;
+  const int r = lane / 2, c = (lane % 2) * 8;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      wmma::store_matrix_sync(scratch, acc[i][j], 16, wmma::mem_row_major);
+      __syncwarp();
+      const int64_t m = warp_m + i * 16 + r;
+#pragma unroll
+      for (int v = 0; v < 8; ++v) {
+        const int64_t n = warp_n + j * 16 + c + v;
+        if (m < t.m_lim && n < t.n_lim) store<T, kKind>(p, t, m, n, scratch[r * 16 + c + v]);
+      }
+      __syncwarp();
+    }
+  }
+}
+
+// ---- fp32 / fp64: FMA ----
+
+template <typename T, GemmKind kKind, bool A_ROW, bool B_ROW>
+__global__ void __launch_bounds__(kThreads) fma_grouped_gemm(const GroupedGemmArgs p) {
+  constexpr int BM = 64, BN = 64, BK = 16, PAD = 16 / sizeof(T);
+  constexpr int A_LDS = A_ROW ? BK + PAD : BM + PAD;
+  constexpr int B_LDS = B_ROW ? BN + PAD : BK + PAD;
+  __shared__ __align__(16) T as[A_ROW ? BM * (BK + PAD) : BK * (BM + PAD)];
+  __shared__ __align__(16) T bs[B_ROW ? BK * (BN + PAD) : BN * (BK + PAD)];
+  using AccT = typename Acc<T>::type;
+
+  const Tile<T> t = locate_tile<T, BM, BN, kKind, B_ROW>(p);
+  if (!t.active) return;
+
+  // Thread (ty, tx) owns rows ty + 16 i and columns tx + 16 j: neighbouring threads hit neighbouring columns.
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  AccT acc[4][4] = {};
+  for (int64_t k0 = 0; k0 < t.k_len; k0 += BK) {
+    load_slice<T, BM, BN, BK, PAD, A_ROW, B_ROW>(as, bs, t, p, k0);
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < BK; ++k) {
+      AccT av[4], bv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int m = ty + 16 * i;
+        av[i] = A_ROW ? as[m * A_LDS + k] : as[k * A_LDS + m];
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int n = tx + 16 * j;
+        bv[j] = B_ROW ? bs[k * B_LDS + n] : bs[n * B_LDS + k];
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fma(av[i], bv[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int64_t m = ty + 16 * i, n = tx + 16 * j;
+      if (m < t.m_lim && n < t.n_lim) store<T, kKind>(p, t, m, n, acc[i][j]);
+    }
+}
+
+// ---- launch ----
+
+template <typename T>
+constexpr bool kTensorCore = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+
+template <typename T>
+constexpr int64_t kTileM = kTensorCore<T> ? 128 : 64;
+template <typename T>
+constexpr int64_t kTileN = kTensorCore<T> ? 128 : 64;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename T, GemmKind kKind, bool A_ROW, bool B_ROW>
+void launch_typed(const GroupedGemmArgs& p, dim3 grid, cudaStream_t stream) {
+  if constexpr (kTensorCore<T>) {
+    wmma_grouped_gemm<T, kKind, A_ROW, B_ROW><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    fma_grouped_gemm<T, kKind, A_ROW, B_ROW><<<grid, kThreads, 0, stream>>>(p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_kind(GemmKind kind, const GroupedGemmArgs& p, cudaStream_t stream) {
+  const int64_t bm = kTileM<T>, bn = kTileN<T>;
+  if (kind == GemmKind::kForward) {
+    // Upper bound on row tiles over all groups: each of the E + 1 groups wastes at most one partial tile.
+    const int64_t row_tiles = ceil_div(p.m, bm) + p.num_experts + 1;
+    const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(ceil_div(p.n, bn)));
+    TORCH_CHECK(row_tiles < (int64_t{1} << 31) && grid.y <= 65535, "grouped_gemm: problem too large for one grid");
+    if (p.b_row_major) launch_typed<T, GemmKind::kForward, true, true>(p, grid, stream);
+    else launch_typed<T, GemmKind::kForward, true, false>(p, grid, stream);
+    return;
+  }
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.n, bn)), static_cast<unsigned>(ceil_div(p.m, bm)),
+                  static_cast<unsigned>(p.num_experts));
+  TORCH_CHECK(grid.y <= 65535 && grid.z <= 65535, "grouped_gemm_wgrad: problem too large for one grid");
+  if (kind == GemmKind::kWgrad) launch_typed<T, GemmKind::kWgrad, false, true>(p, grid, stream);
+  else launch_typed<T, GemmKind::kWgradAccum, false, true>(p, grid, stream);
+}
+
+}  // namespace
+
+int64_t forward_tile_rows(at::ScalarType dtype) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) ? kTileM<__half> : kTileM<float>;
+}
+
+void launch_row_offsets(const at::Tensor& counts, const at::Tensor& workspace, int64_t num_rows,
+                        int64_t tile_rows, cudaStream_t stream) {
+  const int64_t e = counts.numel();
+  int64_t* row_offsets = workspace.data_ptr<int64_t>();
+  int64_t* tile_offsets = row_offsets + e + 1;
+  if (counts.scalar_type() == at::kLong) {
+    row_offsets_kernel<<<1, kThreads, 0, stream>>>(counts.data_ptr<int64_t>(), e, num_rows, tile_rows,
+                                                   row_offsets, tile_offsets);
+  } else {
+    row_offsets_kernel<<<1, kThreads, 0, stream>>>(counts.data_ptr<int32_t>(), e, num_rows, tile_rows,
+                                                   row_offsets, tile_offsets);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void launch_grouped_gemm(at::ScalarType dtype, GemmKind kind, const GroupedGemmArgs& args, cudaStream_t stream) {
+  switch (dtype) {
+    case at::kBFloat16: return launch_kind<__nv_bfloat16>(kind, args, stream);
+    case at::kHalf: return launch_kind<__half>(kind, args, stream);
+    case at::kFloat: return launch_kind<float>(kind, args, stream);
+    case at::kDouble: return launch_kind<double>(kind, args, stream);
+    default: TORCH_CHECK(false, "grouped_gemm: unsupported dtype ", dtype);
+  }
+}
+
+}  // namespace moe_core::cuda

@@ -1,0 +1,212 @@
+"""grouped_gemm on CUDA: forward, dgrad and wgrad against float64 references over every expert count, group-size
+pattern, dtype and weight layout, on NaN-poisoned memory; the accumulating wgrad, CUDA-graph replay with new
+counts, torch.compile parity and the absence of host syncs.
+
+Legend: T rows, K reduction width, N output width, E experts. All tests need a GPU (marked ``gpu``).
+"""
+
+import pytest
+import torch
+
+from moe_core.ops import grouped_gemm
+from moe_core.ops.reference import grouped_gemm_ref, grouped_gemm_wgrad_ref
+from tests.ops.test_grouped_gemm import EXPERT_COUNTS, PATTERNS, make_counts, rel_err
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# (K, N): odd widths take the guarded scalar loads, the aligned ones the vector loads and several tiles.
+SHAPES = [(41, 9), (136, 130)]
+
+
+def poison_allocator() -> None:
+    """Fill the caching allocator's free blocks with NaN, so an output row the kernels skip reads back NaN."""
+    junk = [torch.full((1 << 22,), float("nan"), device="cuda") for _ in range(8)]
+    del junk
+
+
+def torch_errs(x, w, dy, counts, trans_weight):
+    """PyTorch's own same-dtype errors (forward, dgrad, wgrad) against float64: the bar is 2x these."""
+    x64, w64, dy64 = x.double(), w.double(), dy.double()
+    return (
+        rel_err(grouped_gemm_ref(x, w, counts, trans_weight), grouped_gemm_ref(x64, w64, counts, trans_weight)),
+        rel_err(grouped_gemm_ref(dy, w, counts, not trans_weight),
+                grouped_gemm_ref(dy64, w64, counts, not trans_weight)),
+        rel_err(grouped_gemm_wgrad_ref(x, dy, counts, trans_weight),
+                grouped_gemm_wgrad_ref(x64, dy64, counts, trans_weight)),
+    )
+
+
+def check_against_float64(counts_cpu, k, n, dtype, trans_weight, counts_device="cuda", count_dtype=torch.int64):
+    t = int(counts_cpu.sum())
+    num_experts = counts_cpu.numel()
+    x = torch.randn(t, k, device="cuda").to(dtype)
+    w = (torch.randn((num_experts, n, k) if trans_weight else (num_experts, k, n), device="cuda") / k**0.5).to(dtype)
+    dy = torch.randn(t, n, device="cuda").to(dtype)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    counts = counts_cpu.to(counts_device, count_dtype)
+
+    poison_allocator()
+    y = grouped_gemm(x, w, counts, trans_weight=trans_weight)
+    y.backward(dy)
+    torch.cuda.synchronize()
+
+    assert y.shape == (t, n) and y.dtype == dtype
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()
+    empty = (counts_cpu == 0).cuda()
+    assert torch.equal(w.grad[empty], torch.zeros_like(w.grad[empty])), "empty experts must get exact zeros"
+    if t == 0:
+        return
+    xd, wd = x.detach(), w.detach()
+    x64, w64, dy64 = xd.double(), wd.double(), dy.double()
+    fwd_bar, dgrad_bar, wgrad_bar = torch_errs(xd, wd, dy, counts_cpu, trans_weight)
+    eps = 1e-6
+    assert rel_err(y, grouped_gemm_ref(x64, w64, counts_cpu, trans_weight)) <= 2 * fwd_bar + eps
+    assert rel_err(x.grad, grouped_gemm_ref(dy64, w64, counts_cpu, not trans_weight)) <= 2 * dgrad_bar + eps
+    assert rel_err(w.grad, grouped_gemm_wgrad_ref(x64, dy64, counts_cpu, trans_weight)) <= 2 * wgrad_bar + eps
+
+
+@pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("num_experts", EXPERT_COUNTS)
+def test_matches_float64(num_experts, pattern, dtype, trans_weight):
+    torch.manual_seed(num_experts)
+    counts = make_counts(pattern, num_experts, seed=num_experts)
+    case = EXPERT_COUNTS.index(num_experts) + PATTERNS.index(pattern)
+    k, n = SHAPES[case % 2]
+    # Counts alternate between GPU and CPU, int64 and int32: all four reach the kernels.
+    check_against_float64(counts, k, n, dtype, trans_weight, counts_device=("cuda", "cpu")[case % 2],
+                          count_dtype=(torch.int64, torch.int32)[(case // 2) % 2])
+
+
+@pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_groups_spanning_many_tiles(dtype, trans_weight):
+    # Groups longer than one row tile, ragged ends in every dimension, empty groups between them.
+    torch.manual_seed(1)
+    counts = torch.tensor([300, 0, 129, 1, 0, 257, 64])
+    check_against_float64(counts, 264, 200, dtype, trans_weight)
+
+
+@pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight):
+    torch.manual_seed(2)
+    counts = torch.tensor([5, 0, 130, 0, 1])
+    t, k, n = int(counts.sum()), 72, 33
+    x, dy = torch.randn(t, k, device="cuda").to(dtype), torch.randn(t, n, device="cuda").to(dtype)
+    shape = (5, n, k) if trans_weight else (5, k, n)
+    start = torch.randn(shape, device="cuda")
+    main_grad = start.clone()
+    torch.ops.moe_core.grouped_gemm_wgrad_accum_(main_grad, x, dy, counts.cuda(), trans_weight)
+    ref = grouped_gemm_wgrad_ref(x.double(), dy.double(), counts, trans_weight)
+    empty = (counts == 0).cuda()
+    assert torch.equal(main_grad[empty], start[empty]), "empty experts must leave main_grad untouched"
+    torch.testing.assert_close(main_grad.double(), start.double() + ref, rtol=1e-4, atol=1e-4 * k**0.5 * 4)
+
+
+def test_gradient_accumulation_fusion_on_cuda():
+    torch.manual_seed(3)
+    counts = torch.tensor([4, 0, 9], device="cuda")
+    x = torch.randn(13, 40, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(3, 40, 24, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w.main_grad = torch.ones(3, 40, 24, device="cuda")
+    dy = torch.randn(13, 24, device="cuda", dtype=torch.bfloat16)
+    grouped_gemm(x, w, counts, gradient_accumulation_fusion=True).backward(dy)
+    ref = grouped_gemm_wgrad_ref(x.detach().double(), dy.double(), counts.cpu())
+    assert w.grad_added_to_main_grad and torch.equal(w.grad, torch.zeros_like(w))
+    assert torch.equal(w.main_grad[1], torch.ones(40, 24, device="cuda"))
+    torch.testing.assert_close(w.main_grad.double(), 1 + ref, rtol=1e-3, atol=1e-3)
+
+
+def test_cuda_graph_replays_with_new_counts():
+    torch.manual_seed(4)
+    t, k, n, num_experts = 96, 64, 40, 6
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(num_experts, k, n, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device="cuda")
+    counts[0] = t
+
+    def step():
+        return (torch.ops.moe_core.grouped_gemm(x, w, counts, False),
+                torch.ops.moe_core.grouped_gemm_wgrad(x, dy, counts, False))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, dw = step()
+
+    for new_counts in ([96, 0, 0, 0, 0, 0], [10, 0, 50, 0, 36, 0], [0, 0, 0, 0, 0, 96], [16] * 6):
+        counts.copy_(torch.tensor(new_counts))
+        poison_allocator()
+        graph.replay()
+        torch.cuda.synchronize()
+        c = torch.tensor(new_counts)
+        torch.testing.assert_close(y.double(), grouped_gemm_ref(x.double(), w.double(), c), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(dw.double(), grouped_gemm_wgrad_ref(x.double(), dy.double(), c),
+                                   rtol=2e-2, atol=2e-1)
+        empty = (c == 0).cuda()
+        assert torch.equal(dw[empty], torch.zeros_like(dw[empty]))
+
+
+@pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
+def test_compile_fullgraph_matches_eager(trans_weight):
+    torch.manual_seed(5)
+    counts = torch.tensor([40, 0, 3, 21], device="cuda")
+    x0 = torch.randn(64, 48, device="cuda")
+    w0 = torch.randn((4, 24, 48) if trans_weight else (4, 48, 24), device="cuda")
+
+    def run(fn):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = fn(x, w)
+        y.pow(2).sum().backward()
+        return y.detach(), x.grad, w.grad
+
+    def fn(x, w):
+        return grouped_gemm(x, w, counts, trans_weight=trans_weight)
+
+    eager = run(fn)
+    compiled = run(torch.compile(fn, fullgraph=True))
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_forward_backward_has_no_host_sync():
+    torch.manual_seed(6)
+    counts = torch.tensor([7, 0, 20, 5], device="cuda")
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 64, 48, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(32, 48, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_gemm(x, w, counts).backward(dy)
+        grouped_gemm(x.detach(), w.detach().transpose(1, 2).contiguous(), counts, trans_weight=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert x.grad is not None and w.grad is not None
+
+
+def test_rows_past_the_counts_sum_are_zero():
+    # GPU counts are not checked (that would sync); a short sum must still leave no row unwritten.
+    counts = torch.tensor([3, 0, 2], device="cuda")
+    x, w = torch.randn(9, 16, device="cuda"), torch.randn(3, 16, 8, device="cuda")
+    poison_allocator()
+    y = torch.ops.moe_core.grouped_gemm(x, w, counts, False)
+    torch.testing.assert_close(y[:5], grouped_gemm_ref(x[:5], w, counts.cpu()))
+    assert torch.equal(y[5:], torch.zeros(4, 8, device="cuda"))
+
+
+def test_zero_reduction_width_and_no_experts():
+    x, w = torch.randn(5, 0, device="cuda"), torch.randn(2, 0, 4, device="cuda")
+    assert torch.equal(grouped_gemm(x, w, torch.tensor([2, 3], device="cuda")), torch.zeros(5, 4, device="cuda"))
+    dw = torch.ops.moe_core.grouped_gemm_wgrad(torch.randn(0, 8, device="cuda"), torch.randn(0, 4, device="cuda"),
+                                               torch.zeros(3, dtype=torch.int32, device="cuda"), False)
+    assert torch.equal(dw, torch.zeros(3, 8, 4, device="cuda"))
