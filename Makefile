@@ -21,5 +21,7 @@ train: install
 test: install
 	$(PYTHON) -m pytest -q $(ARGS)
 
+# On a CUDA machine: the GPU tests, then the parallel suite on NCCL (world-4 tests skip on fewer GPUs).
 gpu-test: install
 	$(PYTHON) -m pytest -q -m gpu $(ARGS)
+	MOE_CORE_TEST_BACKEND=nccl $(PYTHON) -m pytest -q tests/parallel $(ARGS)

@@ -84,7 +84,7 @@ class GPTModel(nn.Module):
             return logits
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").reshape(labels.shape)
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in depth order (their routers hold aux losses, loads and expert biases)."""

@@ -1,28 +1,34 @@
 """Time the EP token exchange of one MoE layer: dispatch + combine, forward and backward, per dispatcher.
 
-    torchrun --nproc-per-node 2 -m moe_core.parallel.bench_dispatch --tokens 8192 --hidden 4096 \\
-        --num-experts 64 --topk 8
+    torchrun --nproc-per-node 2 tools/bench_dispatch.py --tokens 8192 --hidden 4096 \\
+        --num-experts 64 --topk 8 --json out.json
 
 Experts are the identity (``y = x * prob``) so the time is the dispatcher's: permute, the count exchange
 and its host sync, the all-to-alls (or all-gather / reduce-scatter), chunk sorting and unpermute. Uniform
 random top-k routing. Timed with CUDA events after warm-up (wall clock on CPU); prints one row per
-(dispatcher, pass) with the median and min over iterations, on rank 0.
+(dispatcher, pass) with the median and min over iterations, on rank 0, and writes them as JSON (--json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 import statistics
 import time
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from moe_core.config import TransformerConfig
-from moe_core.moe.token_dispatcher_allgather import MoEAllGatherTokenDispatcher
-from moe_core.moe.token_dispatcher_alltoall import MoEAlltoAllTokenDispatcher
-from moe_core.parallel.launch import init_distributed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_core.config import TransformerConfig  # noqa: E402
+from moe_core.moe.token_dispatcher_allgather import MoEAllGatherTokenDispatcher  # noqa: E402
+from moe_core.moe.token_dispatcher_alltoall import MoEAlltoAllTokenDispatcher  # noqa: E402
+from moe_core.parallel.launch import init_distributed  # noqa: E402
 
 
 class _Timer:
@@ -69,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the rows here")
     args = parser.parse_args(argv)
 
     pg = init_distributed(int(os.environ.get("WORLD_SIZE", "1")), num_moe_experts=args.num_experts)
@@ -97,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'dispatcher':<10} {'pass':<9} {'median ms':>10} {'min ms':>8}")
         for name, p, med, low in rows:
             print(f"{name:<10} {p:<9} {med:>10.3f} {low:>8.3f}")
+        if args.json:
+            meta = dict(ep=pg.ep_size, backend=dist.get_backend(), device=gpu, **vars(args))
+            Path(args.json).write_text(json.dumps(
+                [dict(meta, dispatcher=name, median_ms=med, min_ms=low, **{"pass": p}) for name, p, med, low in rows], indent=1))
     dist.destroy_process_group()
 
 
