@@ -115,8 +115,8 @@ at::Tensor grouped_gemm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, co
   const auto xc = x.contiguous();
   const auto dyc = dy.contiguous();
   const auto offsets = device_offsets(counts_on(tokens_per_expert, x.device()), x.size(0), 1, stream);
-  cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgrad, wgrad_args(xc, dyc, trans_weight, offsets, dw.data_ptr()),
-                            stream);
+  cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgrad,
+                            wgrad_args(xc, dyc, trans_weight, offsets, dw.data_ptr()), stream);
   return dw;
 }
 

@@ -1,10 +1,12 @@
 // CUDA grouped GEMM kernels: one launch per op whatever the counts, tiles located from device-side offsets.
 //
-// bf16/fp16: 128x128x32 CTA tiles, 8 warps of 64x32 on WMMA tensor cores (fp32 accumulate).
+// bf16/fp16: 128x128x32 CTA tiles, 8 warps of 64x32 on WMMA tensor cores (fp32 accumulate), fed by a
+// 3-stage cp.async pipeline.
 // fp32/fp64: 64x64x16 CTA tiles on FFMA/DFMA (4x4 outputs per thread), so fp32 keeps fp32 accuracy (no TF32).
 // Loads are guarded element-wise at every edge (any K, N, row count); 16-byte vector loads are used where the
 // host proved them aligned. Forward grid: one CTA per (row tile, column tile) with row tiles numbered across
-// experts (ceil(T / BM) + E + 1 is an upper bound, surplus CTAs exit); wgrad grid: (column tile, row tile, e).
+// experts (ceil(T / BM) + E + 1 is an upper bound, surplus CTAs exit), rasterized in groups of row tiles;
+// wgrad grid: (tile of dw[e], e), rasterized the same way.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -78,9 +80,19 @@ template <typename T> __device__ __forceinline__ T from_acc(double v) { return s
 template <typename T> __device__ __forceinline__ T zero_value() { return from_acc<T>(0.0f); }
 template <> __device__ __forceinline__ double zero_value<double>() { return 0.0; }
 
+// 16 bytes global -> shared without passing through registers; fill == false writes 16 zero bytes instead.
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool fill) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
 // smem[r * LDS + c] = g[r * ld + c] for a ROWS x COLS tile (c contiguous in memory), zero outside
-// [row_lim, col_lim).
-template <typename T, int ROWS, int COLS, int LDS>
+// [row_lim, col_lim). ASYNC: whole in-bounds (or wholly out-of-bounds) 16-byte chunks go through cp.async,
+// ragged edge chunks element by element.
+template <typename T, int ROWS, int COLS, int LDS, bool ASYNC>
 __device__ __forceinline__ void load_tile(T* smem, const T* g, int64_t ld, int64_t row_lim, int64_t col_lim,
                                           bool vec) {
   constexpr int kVec = 16 / sizeof(T);
@@ -92,7 +104,10 @@ __device__ __forceinline__ void load_tile(T* smem, const T* g, int64_t ld, int64
     const int c = (i % kChunksPerRow) * kVec;
     T* dst = smem + r * LDS + c;
     const T* src = g + r * ld + c;
-    if (vec && r < row_lim && c + kVec <= col_lim) {
+    const bool inside = r < row_lim && c + kVec <= col_lim;
+    if (ASYNC && vec && (inside || r >= row_lim || c >= col_lim)) {
+      cp_async_16(dst, inside ? src : g, inside);
+    } else if (vec && inside) {
       *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(src));
     } else {
 #pragma unroll
@@ -115,14 +130,30 @@ struct Tile {
   bool active;
 };
 
+// Grouped rasterization of CTA `pid` into (row tile, column tile): consecutive CTAs sweep every column tile of
+// kRowTileGroup row tiles, so those row panels stay in L2 while the column panels stream; row-tile-fastest
+// order re-reads the row panels from HBM for every column tile of wide outputs.
+constexpr int64_t kRowTileGroup = 8;
+
+struct TileCoord {
+  int64_t row, col;
+};
+
+__device__ __forceinline__ TileCoord raster(int64_t pid, int64_t row_tiles, int64_t col_tiles) {
+  const int64_t per_group = kRowTileGroup * col_tiles;
+  const int64_t first = pid / per_group * kRowTileGroup;
+  const int64_t group_rows = min(row_tiles - first, kRowTileGroup);
+  return {first + pid % per_group % group_rows, pid % per_group / group_rows};
+}
+
 template <typename T, int BM, int BN, GemmKind kKind, bool B_ROW>
 __device__ __forceinline__ Tile<T> locate_tile(const GroupedGemmArgs& p) {
   Tile<T> t{};
   const T* a = static_cast<const T*>(p.a);
   const T* b = static_cast<const T*>(p.b);
   if constexpr (kKind == GemmKind::kForward) {
-    const int64_t tile = blockIdx.x;
-    const int64_t n0 = static_cast<int64_t>(blockIdx.y) * BN;
+    const auto [tile, n_tile] = raster(blockIdx.x, p.row_tile_bound, (p.n + BN - 1) / BN);
+    const int64_t n0 = n_tile * BN;
     const int64_t* tiles = p.tile_offsets;
     t.active = tile < tiles[p.num_experts + 1];
     if (!t.active) return t;
@@ -144,9 +175,9 @@ __device__ __forceinline__ Tile<T> locate_tile(const GroupedGemmArgs& p) {
     t.c_offset = m0 * p.n + n0;
     t.ldc = p.n;
   } else {
-    const int64_t e = blockIdx.z;
-    const int64_t m0 = static_cast<int64_t>(blockIdx.y) * BM;
-    const int64_t n0 = static_cast<int64_t>(blockIdx.x) * BN;
+    const int64_t e = blockIdx.y;
+    const auto [m_tile, n_tile] = raster(blockIdx.x, (p.m + BM - 1) / BM, (p.n + BN - 1) / BN);
+    const int64_t m0 = m_tile * BM, n0 = n_tile * BN;
     const int64_t r0 = p.row_offsets[e];
     t.k_len = p.row_offsets[e + 1] - r0;
     // An empty expert: wgrad writes its zeros (k_len == 0), the accumulating variant leaves main_grad alone.
@@ -173,18 +204,18 @@ __device__ __forceinline__ void store(const GroupedGemmArgs& p, const Tile<T>& t
 
 // Loads one BK slice of A (BM x BK) and B (BK x BN) into shared memory in the operands' own memory order, so
 // global reads stay coalesced for both layouts. Forward: A row-major; wgrad: A column-major, B row-major.
-template <typename T, int BM, int BN, int BK, int PAD, bool A_ROW, bool B_ROW>
+template <typename T, int BM, int BN, int BK, int PAD, bool A_ROW, bool B_ROW, bool ASYNC>
 __device__ __forceinline__ void load_slice(T* as, T* bs, const Tile<T>& t, const GroupedGemmArgs& p, int64_t k0) {
   const int64_t k_rem = t.k_len - k0;
   if constexpr (A_ROW) {
-    load_tile<T, BM, BK, BK + PAD>(as, t.a + k0, p.lda, t.m_lim, k_rem, p.vec_a);
+    load_tile<T, BM, BK, BK + PAD, ASYNC>(as, t.a + k0, p.lda, t.m_lim, k_rem, p.vec_a);
   } else {
-    load_tile<T, BK, BM, BM + PAD>(as, t.a + k0 * p.lda, p.lda, k_rem, t.m_lim, p.vec_a);
+    load_tile<T, BK, BM, BM + PAD, ASYNC>(as, t.a + k0 * p.lda, p.lda, k_rem, t.m_lim, p.vec_a);
   }
   if constexpr (B_ROW) {
-    load_tile<T, BK, BN, BN + PAD>(bs, t.b + k0 * p.ldb, p.ldb, k_rem, t.n_lim, p.vec_b);
+    load_tile<T, BK, BN, BN + PAD, ASYNC>(bs, t.b + k0 * p.ldb, p.ldb, k_rem, t.n_lim, p.vec_b);
   } else {
-    load_tile<T, BN, BK, BK + PAD>(bs, t.b + k0, p.ldb, t.n_lim, k_rem, p.vec_b);
+    load_tile<T, BN, BK, BK + PAD, ASYNC>(bs, t.b + k0, p.ldb, t.n_lim, k_rem, p.vec_b);
   }
 }
 
@@ -192,16 +223,23 @@ __device__ __forceinline__ void load_slice(T* as, T* bs, const Tile<T>& t, const
 
 namespace wmma = nvcuda::wmma;
 
+constexpr int kWmmaBM = 128, kWmmaBN = 128, kWmmaBK = 32, kWmmaPad = 8, kStages = 3;
+
+template <bool A_ROW, bool B_ROW>
+struct WmmaSmem {
+  static constexpr int kA = A_ROW ? kWmmaBM * (kWmmaBK + kWmmaPad) : kWmmaBK * (kWmmaBM + kWmmaPad);
+  static constexpr int kB = B_ROW ? kWmmaBK * (kWmmaBN + kWmmaPad) : kWmmaBN * (kWmmaBK + kWmmaPad);
+  static constexpr int kStage = kA + kB;  // elements of one pipeline stage
+  static constexpr int kBytes = kStages * kStage * 2;
+};
+
 template <typename T, GemmKind kKind, bool A_ROW, bool B_ROW>
 __global__ void __launch_bounds__(kThreads) wmma_grouped_gemm(const GroupedGemmArgs p) {
-  constexpr int BM = 128, BN = 128, BK = 32, PAD = 8;
-  constexpr int A_ELEMS = A_ROW ? BM * (BK + PAD) : BK * (BM + PAD);
-  constexpr int B_ELEMS = B_ROW ? BK * (BN + PAD) : BN * (BK + PAD);
-  constexpr int kOperandBytes = (A_ELEMS + B_ELEMS) * sizeof(T);
-  constexpr int kScratchBytes = (kThreads / 32) * 16 * 16 * sizeof(float);
-  __shared__ __align__(128) unsigned char smem[kOperandBytes > kScratchBytes ? kOperandBytes : kScratchBytes];
-  T* as = reinterpret_cast<T*>(smem);
-  T* bs = as + A_ELEMS;
+  constexpr int BM = kWmmaBM, BN = kWmmaBN, BK = kWmmaBK, PAD = kWmmaPad;
+  using Smem = WmmaSmem<A_ROW, B_ROW>;
+  static_assert(Smem::kBytes >= (kThreads / 32) * 16 * 16 * int(sizeof(float)), "epilogue scratch must fit");
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* stages = reinterpret_cast<T*>(smem);
 
   const Tile<T> t = locate_tile<T, BM, BN, kKind, B_ROW>(p);
   if (!t.active) return;
@@ -216,18 +254,37 @@ __global__ void __launch_bounds__(kThreads) wmma_grouped_gemm(const GroupedGemmA
 #pragma unroll
     for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
-  for (int64_t k0 = 0; k0 < t.k_len; k0 += BK) {
-    load_slice<T, BM, BN, BK, PAD, A_ROW, B_ROW>(as, bs, t, p, k0);
-    __syncthreads();
+  // kStages-deep cp.async pipeline: slice i + kStages - 1 streams in while slice i is multiplied. One commit
+  // group per slice (empty past the end) keeps wait_group's count exact.
+  const int64_t num_slices = (t.k_len + BK - 1) / BK;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_slices) {
+      T* as = stages + s * Smem::kStage;
+      load_slice<T, BM, BN, BK, PAD, A_ROW, B_ROW, true>(as, as + Smem::kA, t, p, int64_t{s} * BK);
+    }
+    cp_async_commit();
+  }
+  for (int64_t i = 0; i < num_slices; ++i) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // slice i is visible to all, and every warp is done with the stage refilled below
+    const int64_t next = i + kStages - 1;
+    if (next < num_slices) {
+      T* as = stages + (next % kStages) * Smem::kStage;
+      load_slice<T, BM, BN, BK, PAD, A_ROW, B_ROW, true>(as, as + Smem::kA, t, p, next * BK);
+    }
+    cp_async_commit();
+    const T* as = stages + (i % kStages) * Smem::kStage;
+    const T* bs = as + Smem::kA;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, T, ALayout> fa[4];
       wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> fb[2];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int m = warp_m + i * 16;
-        if constexpr (A_ROW) wmma::load_matrix_sync(fa[i], as + m * (BK + PAD) + kk, BK + PAD);
-        else wmma::load_matrix_sync(fa[i], as + kk * (BM + PAD) + m, BM + PAD);
+      for (int i2 = 0; i2 < 4; ++i2) {
+        const int m = warp_m + i2 * 16;
+        if constexpr (A_ROW) wmma::load_matrix_sync(fa[i2], as + m * (BK + PAD) + kk, BK + PAD);
+        else wmma::load_matrix_sync(fa[i2], as + kk * (BM + PAD) + m, BM + PAD);
       }
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -236,12 +293,13 @@ __global__ void __launch_bounds__(kThreads) wmma_grouped_gemm(const GroupedGemmA
         else wmma::load_matrix_sync(fb[j], bs + n * (BK + PAD) + kk, BK + PAD);
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
+      for (int i2 = 0; i2 < 4; ++i2)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i2][j], fa[i2], fb[j], acc[i2][j]);
     }
-    __syncthreads();
   }
+  cp_async_wait<0>();
+  __syncthreads();  // the stages become epilogue scratch
 
   // Each warp stages one 16x16 accumulator at a time in its own scratch and writes it with edge guards.
   float* scratch = reinterpret_cast<float*>(smem) + warp * 256;
@@ -253,10 +311,19 @@ __global__ void __launch_bounds__(kThreads) wmma_grouped_gemm(const GroupedGemmA
       wmma::store_matrix_sync(scratch, acc[i][j], 16, wmma::mem_row_major);
       __syncwarp();
       const int64_t m = warp_m + i * 16 + r;
+      const int64_t n = warp_n + j * 16 + c;
+      T* dst = static_cast<T*>(p.c) + t.c_offset + m * t.ldc + n;
+      if (kKind != GemmKind::kWgradAccum && m < t.m_lim && n + 8 <= t.n_lim &&
+          reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+        alignas(16) T packed[8];
 #pragma unroll
-      for (int v = 0; v < 8; ++v) {
-        const int64_t n = warp_n + j * 16 + c + v;
-        if (m < t.m_lim && n < t.n_lim) store<T, kKind>(p, t, m, n, scratch[r * 16 + c + v]);
+        for (int v = 0; v < 8; ++v) packed[v] = from_acc<T>(scratch[r * 16 + c + v]);
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(packed);
+      } else {
+#pragma unroll
+        for (int v = 0; v < 8; ++v) {
+          if (m < t.m_lim && n + v < t.n_lim) store<T, kKind>(p, t, m, n + v, scratch[r * 16 + c + v]);
+        }
       }
       __syncwarp();
     }
@@ -281,7 +348,7 @@ __global__ void __launch_bounds__(kThreads) fma_grouped_gemm(const GroupedGemmAr
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   AccT acc[4][4] = {};
   for (int64_t k0 = 0; k0 < t.k_len; k0 += BK) {
-    load_slice<T, BM, BN, BK, PAD, A_ROW, B_ROW>(as, bs, t, p, k0);
+    load_slice<T, BM, BN, BK, PAD, A_ROW, B_ROW, false>(as, bs, t, p, k0);
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < BK; ++k) {
@@ -318,16 +385,20 @@ template <typename T>
 constexpr bool kTensorCore = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
 
 template <typename T>
-constexpr int64_t kTileM = kTensorCore<T> ? 128 : 64;
+constexpr int64_t kTileM = kTensorCore<T> ? kWmmaBM : 64;
 template <typename T>
-constexpr int64_t kTileN = kTensorCore<T> ? 128 : 64;
+constexpr int64_t kTileN = kTensorCore<T> ? kWmmaBN : 64;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 template <typename T, GemmKind kKind, bool A_ROW, bool B_ROW>
 void launch_typed(const GroupedGemmArgs& p, dim3 grid, cudaStream_t stream) {
   if constexpr (kTensorCore<T>) {
-    wmma_grouped_gemm<T, kKind, A_ROW, B_ROW><<<grid, kThreads, 0, stream>>>(p);
+    constexpr int bytes = WmmaSmem<A_ROW, B_ROW>::kBytes;
+    // Past 48 KiB dynamic shared memory must be opted into, per device; a host-side attribute, no stream work.
+    C10_CUDA_CHECK(cudaFuncSetAttribute(wmma_grouped_gemm<T, kKind, A_ROW, B_ROW>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    wmma_grouped_gemm<T, kKind, A_ROW, B_ROW><<<grid, kThreads, bytes, stream>>>(p);
   } else {
     fma_grouped_gemm<T, kKind, A_ROW, B_ROW><<<grid, kThreads, 0, stream>>>(p);
   }
@@ -339,16 +410,19 @@ void launch_kind(GemmKind kind, const GroupedGemmArgs& p, cudaStream_t stream) {
   const int64_t bm = kTileM<T>, bn = kTileN<T>;
   if (kind == GemmKind::kForward) {
     // Upper bound on row tiles over all groups: each of the E + 1 groups wastes at most one partial tile.
-    const int64_t row_tiles = ceil_div(p.m, bm) + p.num_experts + 1;
-    const dim3 grid(static_cast<unsigned>(row_tiles), static_cast<unsigned>(ceil_div(p.n, bn)));
-    TORCH_CHECK(row_tiles < (int64_t{1} << 31) && grid.y <= 65535, "grouped_gemm: problem too large for one grid");
-    if (p.b_row_major) launch_typed<T, GemmKind::kForward, true, true>(p, grid, stream);
-    else launch_typed<T, GemmKind::kForward, true, false>(p, grid, stream);
+    GroupedGemmArgs args = p;
+    args.row_tile_bound = ceil_div(p.m, bm) + p.num_experts + 1;
+    const int64_t ctas = args.row_tile_bound * ceil_div(p.n, bn);
+    TORCH_CHECK(ctas < (int64_t{1} << 31), "grouped_gemm: problem too large for one grid");
+    const dim3 grid(static_cast<unsigned>(ctas));
+    if (p.b_row_major) launch_typed<T, GemmKind::kForward, true, true>(args, grid, stream);
+    else launch_typed<T, GemmKind::kForward, true, false>(args, grid, stream);
     return;
   }
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.n, bn)), static_cast<unsigned>(ceil_div(p.m, bm)),
-                  static_cast<unsigned>(p.num_experts));
-  TORCH_CHECK(grid.y <= 65535 && grid.z <= 65535, "grouped_gemm_wgrad: problem too large for one grid");
+  const int64_t ctas = ceil_div(p.n, bn) * ceil_div(p.m, bm);
+  TORCH_CHECK(ctas < (int64_t{1} << 31) && p.num_experts <= 65535,
+              "grouped_gemm_wgrad: problem too large for one grid");
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.num_experts));
   if (kind == GemmKind::kWgrad) launch_typed<T, GemmKind::kWgrad, false, true>(p, grid, stream);
   else launch_typed<T, GemmKind::kWgradAccum, false, true>(p, grid, stream);
 }

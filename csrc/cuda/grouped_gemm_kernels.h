@@ -28,6 +28,7 @@ struct GroupedGemmArgs {
   int64_t b_expert_stride = 0;  // forward: elements between two experts' weights
   int64_t m = 0, n = 0, k = 0;  // forward: m = T rows, k = K; wgrad: dw[e] is [m, n], k unused
   int64_t num_experts = 0;
+  int64_t row_tile_bound = 0;  // forward: row tiles launched (set by the launcher)
   const int64_t* row_offsets = nullptr;   // [E + 1] on the device
   const int64_t* tile_offsets = nullptr;  // [E + 2] on the device, forward only
   bool b_row_major = true;

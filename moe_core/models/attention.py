@@ -1,6 +1,7 @@
 """Causal self-attention with grouped-query attention (GQA), RoPE and optional QK-norm (Megatron's SelfAttention).
 
-Legend: B batch, S sequence, H hidden, Nq query heads, Nkv key/value heads (num_query_groups), D head dim.
+Legend: B batch, S sequence, H hidden, Nq query heads, Nkv key/value heads (num_query_groups), D head dim
+(kv_channels).
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from torch import nn
 
 from moe_core.config import TransformerConfig
 from moe_core.mlp import init_linear
-from moe_core.models.rope import apply_rope, rope_cos_sin
+from moe_core.models.rope import apply_rope
 
 
 class SelfAttention(nn.Module):
-    """``linear_qkv`` (H -> (Nq + 2 Nkv) D) -> RoPE -> causal SDPA with GQA -> ``linear_proj`` (Nq D -> H).
+    """``linear_qkv`` (H -> (Nq + 2 Nkv) D, q then k then v) -> QK-norm -> RoPE -> causal SDPA with GQA ->
+    ``linear_proj`` (Nq D -> H).
 
-    QK-norm (``qk_layernorm``, Qwen3 / OLMoE): RMSNorm over D on each query and key head before RoPE.
+    QK-norm (``qk_layernorm``, Qwen3; Megatron's ``q_layernorm`` / ``k_layernorm``): RMSNorm over D on each
+    query and key head, before RoPE. Init: normal(0, init_method_std); ``linear_proj`` with
+    std / sqrt(2 * num_layers) (Megatron's output_layer_init_method); biases (``add_bias_linear``) zero.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -27,7 +31,6 @@ class SelfAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_query_groups
         self.head_dim = config.kv_channels
-        self.rotary_base = config.rotary_base
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.add_bias_linear)
         self.linear_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
@@ -38,20 +41,25 @@ class SelfAttention(nn.Module):
             self.q_layernorm = nn.RMSNorm(self.head_dim, eps=config.layernorm_epsilon)
             self.k_layernorm = nn.RMSNorm(self.head_dim, eps=config.layernorm_epsilon)
 
-    def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_BSH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``hidden`` ``[B, S, H]`` and ``rope_cos_sin`` (``cos``, ``sin`` ``[S, D]`` from
+        ``moe_core.models.rope.rope_cos_sin``) -> ``[B, S, H]`` in hidden's dtype."""
         batch, seq, _ = hidden_BSH.shape
-        qkv = self.linear_qkv(hidden_BSH)
-        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                             self.num_kv_heads * self.head_dim], dim=-1)
-        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self.linear_qkv(hidden_BSH).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
+            dim=-1,
+        )
+        q_BNSD = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BNSD = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BNSD = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_layernorm is not None:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        cos, sin = rope_cos_sin(seq, self.head_dim, self.rotary_base, hidden_BSH.device)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.linear_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+            q_BNSD, k_BNSD = self.q_layernorm(q_BNSD), self.k_layernorm(k_BNSD)
+        cos, sin = rope_cos_sin
+        q_BNSD, k_BNSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BNSD, cos, sin)
+        out_BNSD = F.scaled_dot_product_attention(
+            q_BNSD, k_BNSD, v_BNSD, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.linear_proj(out_BNSD.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
 __all__ = ["SelfAttention"]

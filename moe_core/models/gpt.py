@@ -1,8 +1,6 @@
-"""A Megatron-style decoder-only GPT with dense or MoE MLPs (Megatron's GPTModel + TransformerLayer).
+"""A Megatron-style decoder-only GPT with dense or MoE MLPs (Megatron's ``GPTModel``).
 
 Legend: B batch, S sequence, H hidden, V vocabulary.
-Pre-norm blocks: ``x + attention(RMSNorm(x))``, then ``x + mlp(RMSNorm(x))``; the MLP of layer i is an
-``MoELayer`` when ``config.is_moe_layer(i)`` and a dense ``MLP`` otherwise.
 """
 
 from __future__ import annotations
@@ -12,49 +10,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_core.config import TransformerConfig
-from moe_core.mlp import MLP
-from moe_core.models.attention import SelfAttention
+from moe_core.models.transformer_block import TransformerBlock
 from moe_core.moe.moe_layer import MoELayer
 
 
-class TransformerLayer(nn.Module):
-    """One pre-norm block: ``input_layernorm``, ``self_attention``, ``pre_mlp_layernorm``, ``mlp``."""
-
-    def __init__(self, config: TransformerConfig, layer_number: int, pg_collection=None):
-        super().__init__()
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.self_attention = SelfAttention(config)
-        self.pre_mlp_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        if config.is_moe_layer(layer_number):
-            self.mlp = MoELayer(config, pg_collection)
-        else:
-            self.mlp = MLP(config, config.ffn_hidden_size)
-
-    def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
-        hidden_BSH = hidden_BSH + self.self_attention(self.input_layernorm(hidden_BSH))
-        return hidden_BSH + self.mlp(self.pre_mlp_layernorm(hidden_BSH))
-
-
-class TransformerBlock(nn.Module):
-    """The stack of layers and the final RMSNorm (Megatron's ``decoder``)."""
-
-    def __init__(self, config: TransformerConfig, pg_collection=None):
-        super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(config, i, pg_collection) for i in range(config.num_layers))
-        self.final_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
-
-    def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            hidden_BSH = layer(hidden_BSH)
-        return self.final_layernorm(hidden_BSH)
-
-
 class GPTModel(nn.Module):
-    """Embedding -> ``decoder`` -> ``output_layer`` (tied to the embedding when configured).
+    """``embedding`` -> ``decoder`` (``TransformerBlock``: pre-norm layers, final RMSNorm) -> ``output_layer``.
+
+    The output projection is ``embedding.weight`` itself when ``share_embeddings_and_output_weights`` (then
+    ``output_layer`` is None), else its own ``nn.Linear(H, V, bias=False)``. Init: embedding and output weights
+    normal(0, init_method_std); see ``SelfAttention`` and ``MLP`` for the rest.
 
     Args:
         config: ``TransformerConfig``.
-        pg_collection: ``moe_core.parallel.ProcessGroupCollection`` for expert parallelism, or None.
+        pg_collection: ``moe_core.parallel.ProcessGroupCollection`` for expert parallelism (this rank then
+            holds ``num_moe_experts / EP`` experts per MoE layer), or None.
     """
 
     def __init__(self, config: TransformerConfig, pg_collection=None):
@@ -69,56 +39,78 @@ class GPTModel(nn.Module):
             nn.init.normal_(self.output_layer.weight, mean=0.0, std=config.init_method_std)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """``input_ids`` ``[B, S]`` int64 -> logits ``[B, S, V]`` float32, or with ``labels`` ``[B, S]`` the
-        per-token cross-entropy ``[B, S]`` float32 in nats (Megatron's convention: the caller reduces it).
+        """Logits, or the per-token loss when ``labels`` are given.
 
+        Args:
+            input_ids: ``[B, S]`` int64 (or int32) token ids in ``[0, V)``.
+            labels: None, or ``[B, S]`` int64 target ids; a label of -100 gives a loss of exactly 0
+                (``F.cross_entropy``'s ignore_index).
+        Returns:
+            ``[B, S, V]`` float32 logits when ``labels`` is None, else the per-token cross-entropy ``[B, S]``
+            float32 in nats (Megatron's convention: the caller reduces it). The output matmul runs in the
+            autocast / parameter dtype and its result is upcast before the softmax (Megatron and Hugging Face
+            do the same: an fp32 matmul over the vocabulary would cost as much as several layers).
         Raises:
+            TypeError: ``input_ids`` is not an int64 / int32 tensor, or ``labels`` not an int64 one.
             ValueError: ``input_ids`` is not 2-D, or ``labels`` has another shape.
         """
+        _check_ids("input_ids", input_ids, (torch.int64, torch.int32))
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [B, S], got shape {tuple(input_ids.shape)}")
-        hidden = self.decoder(self.embedding(input_ids))
+        hidden_BSH = self.decoder(self.embedding(input_ids))
         weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
-        logits = F.linear(hidden, weight).float()
+        logits_BSV = F.linear(hidden_BSH, weight).float()
         if labels is None:
-            return logits
+            return logits_BSV
+        _check_ids("labels", labels, (torch.int64,))
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").reshape(labels.shape)
+        return F.cross_entropy(logits_BSV.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
 
     def moe_layers(self) -> list[MoELayer]:
-        """The MoE layers in depth order (their routers hold aux losses, loads and expert biases)."""
+        """The MoE layers in depth order (``.router`` holds aux losses, loads, expert bias, ``aux_loss_scale``)."""
         return [m for m in self.modules() if isinstance(m, MoELayer)]
 
     def num_parameters(self, active: bool = False) -> int:
-        """Parameters held by this module (shared ones once); ``active=True`` counts what one token uses.
+        """Parameters held by this module, each shared one once (a tied embedding counts once).
 
-        Active: routed experts count ``moe_router_topk / num_moe_experts`` of their parameters; everything
-        else (embeddings included, as the published Qwen3 / Mixtral / OLMoE figures do) counts fully.
+        ``active=True``: the parameters one token uses. Routed experts count ``moe_router_topk`` experts' worth
+        (``topk / num_local_experts`` of the experts held); everything else counts fully, the input embedding
+        included, as in the published figures (Qwen3-30B-A3B's 3.3B, Mixtral's 12.9B, OLMoE's 1.3B all include
+        both embedding matrices: ``tests/models/test_configs.py`` checks them). Under EP the total counts this
+        rank's experts only; the active count is the same on every rank.
         """
-        total = sum(p.numel() for p in self.parameters())
+        count = sum(p.numel() for p in self.parameters())
         if not active:
-            return total
-        cfg = self.config
-        inactive = 0
+            return count
         for layer in self.moe_layers():
+            # E_local experts of equal size: the topk-expert share is exact in integers.
             routed = sum(p.numel() for p in layer.experts.parameters())
-            inactive += routed - routed * cfg.moe_router_topk // layer.num_local_experts
-        return total - inactive
+            count -= routed - routed * self.config.moe_router_topk // layer.num_local_experts
+        return count
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token: ``6 * N_active + 12 * L * Nq * D * S`` (forward + backward).
+        """Training FLOPs (forward + backward) per token at ``seq_length``: ``6 N + 12 L Nq D S``.
 
-        ``N_active`` are the active parameters less the input embedding (a lookup, no FLOPs; a tied output
-        layer still multiplies); the second term is attention's QK^T and AV products without causal savings.
-        Source: PaLM (Chowdhery et al. 2022), appendix B; Megatron's num_floating_point_operations.
+        ``N``: the active parameters less the input embedding (a lookup, no FLOPs; a tied one is still the
+        output matmul and stays in). Each is one multiply-add per token forward and two backward: 6 FLOPs.
+        Norm weights and biases are counted as if they were matmul weights (< 0.01% of any config here).
+        ``12 L Nq D S``: attention's ``Q K^T`` and ``A V``, forward and backward, without the causal half
+        saving. Source: PaLM (Chowdhery et al. 2022), appendix B, the formula MFU is usually quoted with
+        (Megatron-LM's ``num_floating_point_operations`` gives the same terms, built from the config).
         """
         cfg = self.config
         matmul_params = self.num_parameters(active=True)
         if self.output_layer is not None:
             matmul_params -= self.embedding.weight.numel()
         attention = 12 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels * cfg.seq_length
-        return 6.0 * matmul_params + attention
+        return float(6 * matmul_params + attention)
 
 
-__all__ = ["GPTModel", "TransformerBlock", "TransformerLayer"]
+def _check_ids(name: str, ids: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in dtypes:
+        got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise TypeError(f"{name}: expected a tensor of {' or '.join(map(str, dtypes))}, got {got}")
+
+
+__all__ = ["GPTModel"]

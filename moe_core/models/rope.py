@@ -1,4 +1,7 @@
-"""Rotary position embedding (Su et al. 2021, RoFormer), the rotate-half form used by GPT-NeoX, Llama and Megatron."""
+"""Rotary position embedding (Su et al. 2021, RoFormer), the rotate-half form used by GPT-NeoX, Llama and Megatron.
+
+Legend: B batch, N heads, S sequence, D head dim.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +9,10 @@ import torch
 
 
 def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos``, ``sin`` ``[S, D]`` float32 for positions 0..S-1: frequency ``base^(-2i/D)`` for pair i."""
+    """``cos``, ``sin`` ``[S, D]`` float32 for positions 0..S-1: pair i turns at frequency ``base^(-2i/D)``.
+
+    Dimension j and j + D/2 form pair j (rotate-half layout), so both halves carry the same angles.
+    """
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # [S, D/2]
     angles = torch.cat([angles, angles], dim=-1)
@@ -14,7 +20,8 @@ def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device)
 
 
 def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, heads, S, D]`` by position: ``x * cos + rotate_half(x) * sin`` (computed in float32)."""
+    """Rotate ``x`` ``[B, N, S, D]`` by position: ``x * cos + rotate_half(x) * sin``, in float32, returned in
+    x's dtype (bf16 angles would lose the slow frequencies' small steps)."""
     x = x_BNSD.float()
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)

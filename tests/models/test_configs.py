@@ -1,4 +1,5 @@
-"""Architecture configs on the meta device: total and active parameter counts against the published figures."""
+"""Architecture configs on the meta device: total and active parameter counts against the published figures,
+DeepSeek-V3's MoE part exactly, and config validation."""
 
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import torch
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
+from moe_core.moe.moe_layer import MoELayer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PUBLISHED = {  # (total, active) from each model's paper / model card
@@ -29,21 +31,44 @@ def test_parameter_counts_match_published(name):
     assert model.num_parameters(active=True) == pytest.approx(active, rel=0.02)
 
 
+def test_parameter_counts_are_computed_on_meta():
+    model = build("olmoe_1b_7b")
+    assert all(p.is_meta for p in model.parameters())
+    cfg = model.config
+    assert (cfg.moe_router_pre_softmax, cfg.qk_layernorm, cfg.num_query_groups) == (True, True, 16)
+
+
 def test_deepseek_v3_moe_part_is_exact():
     model = build("deepseek_v3")
     cfg = model.config
-    kinds = ["moe" if hasattr(layer.mlp, "router") else "dense" for layer in model.decoder.layers]
+    kinds = ["moe" if isinstance(layer.mlp, MoELayer) else "dense" for layer in model.decoder.layers]
     assert kinds == ["dense"] * 3 + ["moe"] * 58
+    assert model.decoder.layers[0].mlp.linear_fc2.weight.shape == (7168, 18432)
     moe = model.moe_layers()[0]
     assert sum(p.numel() for p in moe.experts.parameters()) == 256 * 3 * 7168 * 2048
     assert sum(p.numel() for p in moe.shared_experts.parameters()) == 3 * 7168 * 2048
-    assert moe.router.weight.shape == (256, 7168)
+    assert moe.router.weight.shape == (256, 7168) and moe.router.expert_bias.shape == (256,)
     assert (cfg.moe_router_num_groups, cfg.moe_router_group_topk, cfg.moe_router_topk) == (8, 4, 8)
     assert cfg.moe_router_score_function == "sigmoid" and cfg.moe_router_enable_expert_bias
     assert cfg.moe_router_topk_scaling_factor == 2.5
-    # The count the YAML documents (GQA attention in place of MLA).
+    # The count the YAML documents (MHA attention in place of MLA).
     assert model.num_parameters() == 688_268_342_272
     assert model.num_parameters(active=True) == 54_794_220_544
+
+
+def test_deepseek_v3_with_mla_attention_counts_the_published_figures():
+    """Swapping each layer's attention count for MLA's (config.json dims) must give the published 671B / 37B:
+    everything but attention is then accounted for."""
+    model = build("deepseek_v3")
+    hidden, heads = 7168, 128
+    q_lora, kv_lora, nope, rope, v_dim = 1536, 512, 128, 64, 128
+    mla = (hidden * q_lora + q_lora + q_lora * heads * (nope + rope)  # q_a_proj, q_a_layernorm, q_b_proj
+           + hidden * (kv_lora + rope) + kv_lora + kv_lora * heads * (nope + v_dim)  # kv_a, its norm, kv_b
+           + heads * v_dim * hidden)  # o_proj
+    ours = sum(p.numel() for p in model.decoder.layers[0].self_attention.parameters())
+    difference = 61 * (ours - mla)
+    assert model.num_parameters() - difference == pytest.approx(671e9, rel=0.002)
+    assert model.num_parameters(active=True) - difference == pytest.approx(37e9, rel=0.02)
 
 
 def test_tiny_config_loads():
@@ -55,6 +80,13 @@ def test_tiny_config_loads():
     (dict(num_layers=0), ValueError, "num_layers"),
     (dict(num_layers=2.5), TypeError, "num_layers"),
     (dict(num_query_groups=3), ValueError, "num_query_groups"),
+    (dict(hidden_size=18), ValueError, "num_attention_heads"),
+    (dict(kv_channels=5), ValueError, "kv_channels"),
+    (dict(layernorm_epsilon=0.0), ValueError, "layernorm_epsilon"),
+    (dict(num_moe_experts=4, first_k_dense_replace=3), ValueError, "first_k_dense_replace"),
+    (dict(num_moe_experts=4, moe_router_score_function="relu"), ValueError, "moe_router_score_function"),
+    (dict(num_moe_experts=4, moe_router_score_function="sigmoid", moe_router_pre_softmax=True), ValueError,
+     "moe_router_pre_softmax"),
     (dict(activation_func="tanh"), ValueError, "activation_func"),
     (dict(num_moe_experts=4, moe_router_topk=5), ValueError, "moe_router_topk"),
     (dict(num_moe_experts=6, moe_router_num_groups=4, moe_router_group_topk=1), ValueError, "moe_router_num_groups"),

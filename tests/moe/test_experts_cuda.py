@@ -38,12 +38,19 @@ def test_grouped_matches_sequential_on_cuda(dtype, counts):
         out, _ = module(xi, torch.tensor(counts, device="cuda"), pi)
         out.backward(grad_out)
         results.append((out.detach(), xi.grad, pi.grad))
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    # bf16: both sides accumulate in fp32 but round intermediates (fc1 output, activations) in different places,
+    # so single elements may differ by an ulp or two; the norm-wise error must stay at bf16's resolution.
+    max_rel = 1e-5 if dtype == torch.float32 else 1e-2
     for ours, ref in zip(results[1], results[0]):
-        torch.testing.assert_close(ours.float(), ref.float(), **tol)
+        assert rel_err(ours, ref) <= max_rel
     for e, expert in enumerate(sequential.local_experts):
         for seq_lin, grp_lin in ((expert.linear_fc1, grouped.fc1), (expert.linear_fc2, grouped.fc2)):
             g = grp_lin.weight.grad[e]
             if counts[e] == 0:
                 assert torch.equal(g, torch.zeros_like(g)), "an expert without rows gets an exact-zero gradient"
-            torch.testing.assert_close(g.float(), seq_lin.weight.grad.t().float(), **tol)
+            else:
+                assert rel_err(g, seq_lin.weight.grad.t()) <= max_rel
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()

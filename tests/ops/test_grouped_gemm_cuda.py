@@ -76,7 +76,7 @@ def test_matches_float64(num_experts, pattern, dtype, trans_weight):
     counts = make_counts(pattern, num_experts, seed=num_experts)
     case = EXPERT_COUNTS.index(num_experts) + PATTERNS.index(pattern)
     k, n = SHAPES[case % 2]
-    # Counts alternate between GPU and CPU, int64 and int32: all four reach the kernels.
+    # Counts alternate between GPU and CPU (the wrapper copies those over), int64 and int32.
     check_against_float64(counts, k, n, dtype, trans_weight, counts_device=("cuda", "cpu")[case % 2],
                           count_dtype=(torch.int64, torch.int32)[(case // 2) % 2])
 
