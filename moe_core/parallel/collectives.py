@@ -78,14 +78,14 @@ def all_to_all(
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(out, x, group=group)
+    dist.all_gather_into_tensor(out, x, group=group)
     return out
 
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
-    dist.reduce_scatter_single(out, x, op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
