@@ -140,6 +140,10 @@ class TransformerConfig:
         _choice(self, "activation_func", ACTIVATIONS)
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
+        if self.rotary_base <= 0:
+            raise ValueError(f"rotary_base must be > 0, got {self.rotary_base}")
+        if self.init_method_std <= 0:
+            raise ValueError(f"init_method_std must be > 0, got {self.init_method_std}")
         self._validate_moe()
         self._validate_router()
         _positive_int(self, "expert_model_parallel_size")

@@ -65,7 +65,7 @@ class GPTModel(nn.Module):
         _check_ids("labels", labels, (torch.int64,))
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-        return F.cross_entropy(logits_BSV.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+        return F.cross_entropy(logits_BSV.flatten(0, 1), labels.flatten(), reduction="none").reshape(labels.shape)
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in depth order (``.router`` holds aux losses, loads, expert bias, ``aux_loss_scale``)."""
@@ -96,8 +96,9 @@ class GPTModel(nn.Module):
         output matmul and stays in). Each is one multiply-add per token forward and two backward: 6 FLOPs.
         Norm weights and biases are counted as if they were matmul weights (< 0.01% of any config here).
         ``12 L Nq D S``: attention's ``Q K^T`` and ``A V``, forward and backward, without the causal half
-        saving. Source: PaLM (Chowdhery et al. 2022), appendix B, the formula MFU is usually quoted with
-        (Megatron-LM's ``num_floating_point_operations`` gives the same terms, built from the config).
+        saving. Source: PaLM (Chowdhery et al. 2022), appendix B, the formula MFU is usually quoted with;
+        Megatron-LM's ``num_floating_point_operations`` (Narayanan et al. 2021, appendix) builds the same terms
+        from the config, without the router and norms.
         """
         cfg = self.config
         matmul_params = self.num_parameters(active=True)

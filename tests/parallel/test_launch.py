@@ -41,7 +41,9 @@ def _rank0_waits_alone() -> None:
     from tests.parallel._launch import device
 
     if dist.get_rank() == 0:
-        dist.all_reduce(torch.ones(1, device=device()))  # rank 1 never joins: a hang
+        x = torch.ones(1, device=device())
+        dist.all_reduce(x)  # rank 1 never joins: a hang
+        x.cpu()  # NCCL enqueues the collective and returns: wait for it on the host, as a loss.item() would
 
 
 def _rank1_raises() -> None:

@@ -17,7 +17,7 @@ from moe_core.training.config import TrainingConfig
 from moe_core.training.schedule import build_scheduler
 from moe_core.training.trainer import build_optimizer, pretrain
 from tests.parallel._common import groups
-from tests.parallel._launch import run_distributed
+from tests.parallel._launch import BACKEND, run_distributed
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -77,4 +77,6 @@ def test_ep2_fsdp2_checkpoint_loads_in_one_process(tmp_path):
     _, want = _load(str(tmp_path / "ckpt_single"), model_cfg, train_cfg)
     assert step == train_cfg.train_iters
     for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        # On GPUs the runs use bf16 autocast and reduce in other orders: a looser absolute floor.
+        atol = 1e-6 if BACKEND == "gloo" else 1e-5
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
