@@ -103,7 +103,7 @@ def _collective_trace(scenario: str, dispatcher: str) -> list[str]:
     pg = groups(world, NUM_EXPERTS)
     sc = SCENARIOS[scenario]
     trace: list[str] = []
-    originals = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_single", "reduce_scatter_single")}
+    originals = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor")}
 
     def recorder(name):
         def call(out, inp, *args, **kwargs):
