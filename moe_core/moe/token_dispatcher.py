@@ -137,6 +137,41 @@ def check_dispatch_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map
         raise TypeError(f"routing_map: expected torch.bool, got {routing_map.dtype}")
 
 
+class ExpertParallelTokenDispatcher(MoETokenDispatcher):
+    """Shared set-up of the dispatchers that move rows between EP ranks.
+
+    Args:
+        num_local_experts: L, experts held by this rank.
+        local_expert_indices: the L global expert ids held here, contiguous
+            (``ep_rank * L + [0, L)``, see ``ProcessGroupCollection.local_expert_indices``).
+        config: ``TransformerConfig`` (num_moe_experts, moe_router_topk, capacity fields).
+        pg_collection: ``ProcessGroupCollection``; ``None`` means one rank holding every expert.
+    Raises:
+        ValueError: the local experts are not this rank's contiguous block of ``num_moe_experts / ep``.
+    """
+
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: TransformerConfig,
+                 pg_collection=None):
+        super().__init__(config)
+        self.ep_group = None if pg_collection is None else pg_collection.ep
+        self.ep_size = 1 if pg_collection is None else pg_collection.ep_size
+        self.num_local_experts = num_local_experts
+        check_local_experts(num_local_experts, local_expert_indices, self.num_experts, pg_collection)
+        self.local_expert_indices = list(local_expert_indices)
+
+
+def check_local_experts(num_local_experts: int, local_expert_indices, num_experts: int, pg_collection) -> None:
+    """Raise ``ValueError`` unless the local experts are this EP rank's block ``ep_rank * L + [0, L)``."""
+    ep_size = 1 if pg_collection is None else pg_collection.ep_size
+    ep_rank = 0 if pg_collection is None else pg_collection.ep_rank
+    expected = list(range(ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts))
+    if num_local_experts * ep_size != num_experts or list(local_expert_indices) != expected:
+        raise ValueError(
+            f"local_expert_indices: expected {expected} (num_moe_experts={num_experts}, ep_size={ep_size}, "
+            f"ep_rank={ep_rank}), got {list(local_expert_indices)}"
+        )
+
+
 def build_token_dispatcher(config: TransformerConfig, pg_collection=None) -> MoETokenDispatcher:
     """The single-rank dispatcher when EP size is 1, else the one named by ``config.moe_token_dispatcher_type``.
 
@@ -159,6 +194,6 @@ def build_token_dispatcher(config: TransformerConfig, pg_collection=None) -> MoE
 
 
 __all__ = [
-    "MoETokenDispatcher", "MoELocalTokenDispatcher", "LocalDispatchMeta", "check_dispatch_inputs",
-    "build_token_dispatcher",
+    "MoETokenDispatcher", "MoELocalTokenDispatcher", "LocalDispatchMeta", "ExpertParallelTokenDispatcher",
+    "check_dispatch_inputs", "check_local_experts", "build_token_dispatcher",
 ]

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.moe_utils import get_capacity, permute, unpermute
-from moe_core.moe.token_dispatcher_alltoall import check_dispatch_inputs, check_local_experts
-from moe_core.parallel.collectives import all_gather_first_dim, group_size, reduce_scatter_first_dim
+from moe_core.moe.moe_utils import permute, unpermute
+from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
+from moe_core.parallel.collectives import all_gather_first_dim, reduce_scatter_first_dim
 
 
 @dataclass(frozen=True)
@@ -31,18 +31,8 @@ class AllGatherDispatchMeta:
     gathered_shape: torch.Size
 
 
-class MoEAllGatherTokenDispatcher:
+class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
     """Same arguments and contract as ``MoEAlltoAllTokenDispatcher``; every EP rank must pass the same N."""
-
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
-        self.config = config
-        self.ep_group = None if pg_collection is None else pg_collection.ep
-        self.ep_size = group_size(self.ep_group)
-        self.num_experts = config.num_moe_experts
-        self.num_local_experts = num_local_experts
-        check_local_experts(num_local_experts, local_expert_indices, self.num_experts, pg_collection)
-        self.local_expert_indices = list(local_expert_indices)
-        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         """See ``MoEAlltoAllTokenDispatcher.dispatch``."""
@@ -54,11 +44,7 @@ class MoEAllGatherTokenDispatcher:
         num_out_tokens = None
         if self.drop_and_pad:
             # Each source rank padded every expert to its own capacity; the local experts see ep of them.
-            capacity = get_capacity(
-                hidden.shape[0] * self.config.moe_router_topk, self.num_experts,
-                self.config.moe_expert_capacity_factor,
-            )
-            num_out_tokens = capacity * self.ep_size * self.num_local_experts
+            num_out_tokens = self.capacity(hidden.shape[0]) * self.ep_size * self.num_local_experts
         permuted, permuted_probs, sorted_indices = permute(
             gathered, local_map, probs=local_probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad
         )

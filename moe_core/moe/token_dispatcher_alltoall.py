@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.moe_utils import get_capacity, permute, unpermute
-from moe_core.parallel.collectives import all_to_all, group_size
+from moe_core.moe.moe_utils import permute, unpermute
+from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
+from moe_core.parallel.collectives import all_to_all
 
 
 @dataclass(frozen=True)
@@ -55,27 +56,14 @@ def sort_chunks_by_idxs(x: torch.Tensor, chunk_sizes: list[int], order: list[int
     return torch.cat([chunks[i] for i in order], dim=0)
 
 
-class MoEAlltoAllTokenDispatcher:
+class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
     """Token dispatcher that exchanges routed rows between EP ranks with all_to_all_single.
 
-    Args:
-        num_local_experts: L, experts held by this rank.
-        local_expert_indices: the L global expert ids held here, contiguous
-            (``ep_rank * L + [0, L)``, see ``ProcessGroupCollection.local_expert_indices``).
-        config: ``TransformerConfig`` (num_moe_experts, moe_router_topk, capacity fields).
-        pg_collection: ``ProcessGroupCollection``; ``None`` means one rank holding every expert.
-    Raises:
-        ValueError: the local experts are not this rank's contiguous block of ``num_moe_experts / ep``.
+    Arguments and errors: see ``ExpertParallelTokenDispatcher``.
     """
 
     def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
-        self.config = config
-        self.ep_group = None if pg_collection is None else pg_collection.ep
-        self.ep_size = group_size(self.ep_group)
-        self.num_experts = config.num_moe_experts
-        self.num_local_experts = num_local_experts
-        check_local_experts(num_local_experts, local_expert_indices, self.num_experts, pg_collection)
-        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
+        super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
         # Received chunks are source-major; experts want them expert-major.
         ep, num_local = self.ep_size, num_local_experts
         self._sort_order = [s * num_local + e for e in range(num_local) for s in range(ep)]
@@ -94,16 +82,8 @@ class MoEAlltoAllTokenDispatcher:
         """
         check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
         num_tokens = hidden.shape[0]
-        capacity = None
-        if self.drop_and_pad:
-            capacity = get_capacity(
-                num_tokens * self.config.moe_router_topk, self.num_experts, self.config.moe_expert_capacity_factor
-            )
-            num_out_tokens = capacity * self.num_experts
-        elif self.config.moe_expert_capacity_factor is None:
-            num_out_tokens = num_tokens * self.config.moe_router_topk  # static without dropping (Megatron)
-        else:
-            num_out_tokens = None
+        capacity = self.capacity(num_tokens)
+        num_out_tokens = self.num_out_tokens(num_tokens)
         permuted, permuted_probs, sorted_indices = permute(
             hidden, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad
         )
@@ -164,18 +144,6 @@ class MoEAlltoAllTokenDispatcher:
         return unpermute(out, meta.sorted_indices, meta.restore_shape)
 
 
-def check_local_experts(num_local_experts: int, local_expert_indices, num_experts: int, pg_collection) -> None:
-    """Raise ``ValueError`` unless the local experts are this EP rank's block ``ep_rank * L + [0, L)``."""
-    ep_size = 1 if pg_collection is None else pg_collection.ep_size
-    ep_rank = 0 if pg_collection is None else pg_collection.ep_rank
-    expected = list(range(ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts))
-    if num_local_experts * ep_size != num_experts or list(local_expert_indices) != expected:
-        raise ValueError(
-            f"local_expert_indices: expected {expected} (num_moe_experts={num_experts}, ep_size={ep_size}, "
-            f"ep_rank={ep_rank}), got {list(local_expert_indices)}"
-        )
-
-
 def _split_sizes_to_host(input_splits: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int]]:
     # The one host sync of the non-padded path (Megatron's preprocess does the same): all_to_all_single
     # needs its split sizes on the host. One device->host copy carries both tensors.
@@ -183,22 +151,6 @@ def _split_sizes_to_host(input_splits: torch.Tensor, counts: torch.Tensor) -> tu
     return host[: input_splits.numel()], host[input_splits.numel():]
 
 
-def check_dispatch_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
-                          num_experts: int) -> None:
-    """Raise ``ValueError`` / ``TypeError`` unless hidden is [N, H], probs and routing_map [N, E], the map bool."""
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden: expected [N, H], got shape {tuple(hidden.shape)}")
-    expected = (hidden.shape[0], num_experts)
-    if tuple(probs.shape) != expected or tuple(routing_map.shape) != expected:
-        raise ValueError(
-            f"probs and routing_map: expected shape {expected}, got {tuple(probs.shape)} and "
-            f"{tuple(routing_map.shape)}"
-        )
-    if routing_map.dtype != torch.bool:
-        raise TypeError(f"routing_map: expected torch.bool, got {routing_map.dtype}")
-
-
 __all__ = [
-    "MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta", "check_dispatch_inputs", "check_local_experts",
-    "sort_chunks_by_idxs",
+    "MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta", "sort_chunks_by_idxs",
 ]
