@@ -43,12 +43,20 @@ def _extension():
     # MOE_CORE_CUDA_ARCHS="90a" (space-separated) builds fewer targets, e.g. for a quick build on one GPU.
     archs = os.environ.get("MOE_CORE_CUDA_ARCHS", "80 89 90a").split()
     nvcc_flags = [
-        "-O3", "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo", f"--threads={len(archs)}",
+        # NDEBUG: device-side assert() calls would make ptxas serialize the wgmma pipeline (warning C7510).
+        "-O3", "-DNDEBUG", "--expt-relaxed-constexpr", "--expt-extended-lambda", "-lineinfo",
+        f"--threads={len(archs)}",
     ] + [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    cutlass = _cutlass_include()
+    macros = [("MOE_CORE_WITH_CUDA", "1")]
+    # The Hopper kernels (csrc/cuda/grouped_gemm_sm90*) need CUTLASS and the sm_90a target; without either the
+    # portable kernels serve every GPU.
+    if "90a" in archs and cutlass:
+        macros.append(("MOE_CORE_WITH_SM90", "1"))
     return CUDAExtension(
         "moe_core._C", sources + cuda_sources,
-        include_dirs=[os.path.abspath("csrc")] + _cutlass_include(),
-        define_macros=[("MOE_CORE_WITH_CUDA", "1")],
+        include_dirs=[os.path.abspath("csrc")] + cutlass,
+        define_macros=macros,
         extra_compile_args={"cxx": cxx_flags + ["-fopenmp"], "nvcc": nvcc_flags},
         extra_link_args=["-fopenmp"],
     )

@@ -1,20 +1,26 @@
 """Benchmark moe_core's grouped GEMM against torch._grouped_mm, a per-expert matmul loop and a dense matmul.
 
 Passes: forward (y = x_e W_e), dgrad (dx = dy_e W_e^T), wgrad (dW_e = x_e^T dy_e) and forward+backward (all
-three). Each timing is the median of per-iteration CUDA-event times after warm-up, with inputs rotated over
-enough copies to exceed L2. TFLOP/s count 2 T K N per pass (6 T K N for forward+backward). The dense
+three). Each timing is the median of per-iteration CUDA-event times, warm-up and measurement both measured
+in milliseconds (so clocks settle whatever the problem size), repeated in interleaved rounds over all
+providers (so drift hits them alike); the spread between rounds is reported as the noise floor. Inputs rotate
+over enough copies to exceed L2. TFLOP/s count 2 T K N per pass (6 T K N for forward+backward). The dense
 provider multiplies the same total rows by one weight: the ceiling a grouped kernel can hope for.
 
-Usage: python3 tools/bench_grouped_gemm.py [--quick] [--json out.json]
+Usage: python3 tools/bench_grouped_gemm.py [--quick] [--tiles] [--json out.json]
+(--tiles also times moe_core with each sm_90a tile forced through MOE_CORE_GEMM_TILE, to tune the heuristics.)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -56,11 +62,31 @@ def make_counts(e: int, t: int, skew: float | None, gen: torch.Generator) -> tor
     return counts.to(torch.int64)
 
 
-def time_ms(fn, inputs: list, iters: int, warmup: int) -> float:
-    """Median per-iteration time in ms, cycling through `inputs` (copies that together exceed L2)."""
-    for i in range(warmup):
-        fn(*inputs[i % len(inputs)])
-    torch.cuda.synchronize()
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """How long to warm up and measure each (provider, pass), in ms of wall time, and how many rounds."""
+    warmup_ms: float
+    measure_ms: float
+    min_iters: int
+    rounds: int
+
+
+FULL = Timing(warmup_ms=30.0, measure_ms=60.0, min_iters=20, rounds=2)
+QUICK = Timing(warmup_ms=15.0, measure_ms=25.0, min_iters=10, rounds=1)
+
+
+def time_samples(fn, inputs: list, timing: Timing) -> list[float]:
+    """Per-iteration CUDA-event times in ms after a warm-up of timing.warmup_ms, cycling through `inputs`
+    (copies that together exceed L2); at least timing.min_iters and about timing.measure_ms of them."""
+    start, done = time.perf_counter(), 0
+    while True:
+        fn(*inputs[done % len(inputs)])
+        done += 1
+        torch.cuda.synchronize()
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        if elapsed_ms >= timing.warmup_ms:
+            break
+    iters = max(timing.min_iters, math.ceil(timing.measure_ms / (elapsed_ms / done)))
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for i in range(iters):
@@ -69,7 +95,11 @@ def time_ms(fn, inputs: list, iters: int, warmup: int) -> float:
         fn(*args)
         ends[i].record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def time_ms(fn, inputs: list, timing: Timing) -> float:
+    return statistics.median(time_samples(fn, inputs, timing))
 
 
 def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int]):
@@ -106,7 +136,10 @@ def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int]):
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "fwd+bwd": both}
 
 
-def bench_shape(spec: dict, iters: int, warmup: int, gen: torch.Generator) -> dict:
+SM90_TILES = ("128x256", "128x128", "128x256c21", "128x128pp")
+
+
+def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, tiles: bool = False) -> dict:
     k, n, e, t = spec["k"], spec["n"], spec["e"], spec["t"]
     counts = make_counts(e, t, spec["skew"], gen)
     bytes_per_copy = 2 * (t * k + e * k * n + t * n)
@@ -115,31 +148,60 @@ def bench_shape(spec: dict, iters: int, warmup: int, gen: torch.Generator) -> di
                torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(k),
                torch.randn(t, n, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
     counts_gpu = counts.cuda()
-    result = dict(spec, empty_experts=int((counts == 0).sum()), ms={}, tflops={})
-    for provider in PROVIDERS:
-        fns = pass_fns(provider, counts_gpu, counts.tolist())
-        for name in PASSES:
-            flops = (6 if name == "fwd+bwd" else 2) * t * k * n
-            try:
-                ms = time_ms(fns[name], inputs, iters, warmup)
-            except RuntimeError as err:  # e.g. torch._grouped_mm unsupported on this GPU or shape
-                print(f"  {provider} {name}: {str(err).splitlines()[0]}", file=sys.stderr)
-                continue
+    # (provider, forced sm_90a tile or None): the tile sweep times moe_core once per MOE_CORE_GEMM_TILE value.
+    configs = [(p, None) for p in PROVIDERS] + [("moe_core", tile) for tile in (SM90_TILES if tiles else ())]
+    rounds: dict = {}  # (provider, tile, pass) -> [median of each round]
+    failed = set()
+    for _ in range(timing.rounds):
+        for provider, tile in configs:
+            if tile is not None:
+                os.environ["MOE_CORE_GEMM_TILE"] = tile
+            fns = pass_fns(provider, counts_gpu, counts.tolist())
+            for name in PASSES:
+                key = (provider, tile, name)
+                if key in failed:
+                    continue
+                try:
+                    rounds.setdefault(key, []).append(time_ms(fns[name], inputs, timing))
+                except RuntimeError as err:  # e.g. torch._grouped_mm unsupported on this GPU or shape
+                    print(f"  {provider} {name}: {str(err).splitlines()[0]}", file=sys.stderr)
+                    failed.add(key)
+            os.environ.pop("MOE_CORE_GEMM_TILE", None)
+    result = dict(spec, empty_experts=int((counts == 0).sum()), ms={}, tflops={}, round_spread={})
+    for (provider, tile, name), medians in rounds.items():
+        ms = statistics.median(medians)
+        tflops = (6 if name == "fwd+bwd" else 2) * t * k * n / ms / 1e9
+        if tile is None:
             result["ms"].setdefault(provider, {})[name] = ms
-            result["tflops"].setdefault(provider, {})[name] = flops / ms / 1e9
+            result["tflops"].setdefault(provider, {})[name] = tflops
+            result["round_spread"].setdefault(provider, {})[name] = max(medians) / min(medians) - 1
+        else:
+            result.setdefault("tile_tflops", {}).setdefault(tile, {})[name] = tflops
     del inputs
     torch.cuda.empty_cache()
     return result
 
 
-def empty_call_latency_us(iters: int) -> dict:
+def device_ceilings() -> dict:
+    """The two measured ceilings: HBM bandwidth (a 1 GiB device-to-device copy, bytes read + written) and the
+    bf16 matrix rate (one 8192^3 dense matmul)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda a, b: b.copy_(a), [(src, dst)], FULL)
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_ms = time_ms(lambda x, y: x @ y, [(a, a)], FULL)
+    return dict(hbm_gb_s=2 * (1 << 30) / copy_ms / 1e6, bf16_tflops=2 * 8192**3 / mm_ms / 1e9)
+
+
+def empty_call_latency_us() -> dict:
     """Latency of an all-empty call (T == 0, 128 experts, Qwen fc1 weights): forward and the three passes."""
     x = torch.empty(0, 2048, device="cuda", dtype=torch.bfloat16)
     dy = torch.empty(0, 1536, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 2048, 1536, device="cuda", dtype=torch.bfloat16)
     counts = torch.zeros(128, dtype=torch.int64, device="cuda")
     fns = pass_fns("moe_core", counts, [0] * 128)
-    return {name: 1e3 * time_ms(fns[name], [(x, w, dy)], iters, 10) for name in ("fwd", "fwd+bwd")}
+    return {name: 1e3 * time_ms(fns[name], [(x, w, dy)], FULL) for name in ("fwd", "fwd+bwd")}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -165,30 +227,45 @@ def print_table(results: list[dict]) -> dict:
                   + f"  {fmt(vs_gmm, '6.2f')}  {fmt(vs_dense, '6.2f')}")
     geomeans = {name: math.exp(sum(map(math.log, v)) / len(v)) for name, v in geo.items()}
     print("geomean moe_core / torch._grouped_mm: " + ", ".join(f"{k} {v:.2f}x" for k, v in geomeans.items()))
+    print("min moe_core / torch._grouped_mm: " + ", ".join(f"{k} {min(v):.2f}x" for k, v in geo.items()))
+    spreads = [s for r in results for per_pass in r["round_spread"].values() for s in per_pass.values()]
+    if spreads:
+        print(f"noise: largest spread between rounds of one provider and pass {100 * max(spreads):.1f}%, "
+              f"median {100 * statistics.median(spreads):.1f}%")
+    if any("tile_tflops" in r for r in results):
+        print(f"{'forced tile (TFLOP/s)':40s} {'tile':10s} " + " ".join(f"{p:>8s}" for p in PASSES))
+        for r in results:
+            for tile in SM90_TILES:
+                print(f"{r['name']:40s} {tile:10s} " + " ".join(f"{fmt(r['tile_tflops'][tile][p], '8.1f')}"
+                                                             for p in PASSES))
     return geomeans
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
+    parser.add_argument("--tiles", action="store_true", help="also time each sm_90a tile forced")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_grouped_gemm: needs a CUDA device")
-    iters, warmup = (10, 3) if args.quick else (30, 5)
+    timing = QUICK if args.quick else FULL
     torch.manual_seed(0)  # the Dirichlet draws
     gen = torch.Generator().manual_seed(0)
     results = []
     for spec in shapes(args.quick):
-        results.append(bench_shape(spec, iters, warmup, gen))
+        results.append(bench_shape(spec, timing, gen, args.tiles))
         print(f"done {spec['name']}", file=sys.stderr, flush=True)
     geomeans = print_table(results)
-    latency = empty_call_latency_us(200)
+    ceilings = device_ceilings()
+    print(f"ceilings: HBM copy {ceilings['hbm_gb_s']:.0f} GB/s, "
+          f"dense bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s")
+    latency = empty_call_latency_us()
     print(f"all-empty call (T=0, E=128, 2048->1536): fwd {latency['fwd']:.1f} us, fwd+bwd {latency['fwd+bwd']:.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results,
-                           geomean_vs_grouped_mm=geomeans, empty_call_us=latency), f, indent=1)
+                           geomean_vs_grouped_mm=geomeans, empty_call_us=latency, ceilings=ceilings), f, indent=1)
 
 
 if __name__ == "__main__":

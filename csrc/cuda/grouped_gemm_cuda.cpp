@@ -1,15 +1,26 @@
 // CUDA implementations of the three grouped GEMM ops (schemas in csrc/ops.cpp, CPU twins in
 // csrc/grouped_gemm_cpu.cpp). tokens_per_expert is never read on the host: a one-block kernel turns it into
-// device-side row/tile offsets that the GEMM kernels read, so each op is two launches whatever the counts
-// (T == 0 and all-empty included) and capturable in a CUDA graph.
+// device-side row/tile offsets that the GEMM kernels read, so each op is a fixed sequence of launches whatever
+// the counts (T == 0 and all-empty included) and capturable in a CUDA graph.
+//
+// Two back ends: on Hopper, bf16/fp16 with 16-byte aligned operands and widths take CUTLASS's sm_90a
+// pointer-array kernels (grouped_gemm_sm90.h); everything else (other GPUs, fp32/fp64, odd widths) takes the
+// portable kernels of grouped_gemm_kernels.h. MOE_CORE_GEMM_DEBUG=1 prints the choice per call;
+// MOE_CORE_GEMM_PORTABLE=1 forces the portable kernels (for tests and comparisons).
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
 
 #include "grouped_gemm.h"
 #include "grouped_gemm_kernels.h"
+#include "grouped_gemm_sm90.h"
 
 namespace moe_core {
 namespace {
@@ -46,6 +57,56 @@ bool vector_ok(const at::Tensor& t, int64_t ld, int64_t stride) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && ld % vec == 0 && stride % vec == 0;
 }
 
+int device_attribute(cudaDeviceAttr attr, const at::Device& device) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, device.index()));
+  return value;
+}
+
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, "0") != 0;
+}
+
+// Why the sm_90a kernels cannot take this problem, or nullptr when they can: shapes, dtype and alignment only
+// (host-known), never the counts. `vector_dims` must be whole 16-byte vectors, like every base pointer (TMA).
+const char* sm90_refusal(const at::Tensor& x, std::initializer_list<int64_t> vector_dims,
+                         std::initializer_list<const void*> pointers, int64_t num_experts) {
+  if (!cuda::sm90::compiled()) return "built without sm_90a";
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor, x.device()) != 9 ||
+      device_attribute(cudaDevAttrComputeCapabilityMinor, x.device()) != 0) {
+    return "not a compute capability 9.0 GPU";
+  }
+  if (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf) return "not bf16/fp16";
+  if (env_flag("MOE_CORE_GEMM_PORTABLE")) return "MOE_CORE_GEMM_PORTABLE is set";
+  if (num_experts == 0) return "no experts";
+  for (int64_t d : vector_dims) {
+    if (d % 8 != 0) return "a width is not a multiple of 8";
+  }
+  for (const void* ptr : pointers) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return "a base is not 16-byte aligned";
+  }
+  return nullptr;
+}
+
+bool use_sm90(const at::Tensor& x, std::initializer_list<int64_t> vector_dims,
+              std::initializer_list<const void*> pointers, int64_t num_experts, const char* op) {
+  const char* reason = sm90_refusal(x, vector_dims, pointers, num_experts);
+  if (reason != nullptr && env_flag("MOE_CORE_GEMM_DEBUG")) {
+    std::fprintf(stderr, "[moe_core] %s: portable kernel (%s)\n", op, reason);
+  }
+  return reason == nullptr;
+}
+
+void launch_sm90(cuda::sm90::Problem p, const at::Tensor& like, cudaStream_t stream) {
+  p.dtype = like.scalar_type() == at::kBFloat16 ? cuda::sm90::Dtype::kBf16 : cuda::sm90::Dtype::kFp16;
+  const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, like.device());
+  p.tile = cuda::sm90::pick_tile(p, sm_count);
+  const auto workspace = at::empty({static_cast<int64_t>(cuda::sm90::workspace_bytes(p, sm_count))},
+                                   like.options().dtype(at::kByte));
+  cuda::sm90::launch(p, workspace.data_ptr(), sm_count, stream);
+}
+
 at::Tensor grouped_gemm_cuda(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& tokens_per_expert,
                              bool trans_weight) {
   check_forward_inputs(x, weight, tokens_per_expert);
@@ -62,6 +123,21 @@ at::Tensor grouped_gemm_cuda(const at::Tensor& x, const at::Tensor& weight, cons
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto counts = counts_on(tokens_per_expert, x.device());
   const auto offsets = device_offsets(counts, x.size(0), cuda::forward_tile_rows(x.scalar_type()), stream);
+  // K == 0 stays portable: CUTLASS leaves the accumulators of a zero-length reduction unwritten.
+  if (k > 0 && use_sm90(x, {k, n}, {xc.data_ptr(), wc.data_ptr(), out.data_ptr()}, weight.size(0), "grouped_gemm")) {
+    cuda::sm90::Problem p;
+    p.op = trans_weight ? cuda::sm90::Op::kForwardNK : cuda::sm90::Op::kForwardKN;
+    p.a = xc.data_ptr();
+    p.b = wc.data_ptr();
+    p.d = out.data_ptr();
+    p.m = x.size(0);
+    p.n = n;
+    p.k = k;
+    p.num_experts = weight.size(0);
+    p.row_offsets = offsets.data_ptr<int64_t>();
+    launch_sm90(p, x, stream);
+    return out;
+  }
 
   GroupedGemmArgs args;
   args.a = xc.data_ptr();
@@ -103,6 +179,20 @@ GroupedGemmArgs wgrad_args(const at::Tensor& xc, const at::Tensor& dyc, bool tra
   return args;
 }
 
+// The same wgrad problem for the sm_90a kernels: d[e] [m, n] reduced over each expert's rows.
+cuda::sm90::Problem sm90_wgrad(const GroupedGemmArgs& args, cuda::sm90::Op op) {
+  cuda::sm90::Problem p;
+  p.op = op;
+  p.a = args.a;
+  p.b = args.b;
+  p.d = args.c;
+  p.m = args.m;
+  p.n = args.n;
+  p.num_experts = args.num_experts;
+  p.row_offsets = args.row_offsets;
+  return p;
+}
+
 at::Tensor grouped_gemm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& tokens_per_expert,
                                    bool trans_weight) {
   check_wgrad_inputs(x, dy, tokens_per_expert);
@@ -115,8 +205,12 @@ at::Tensor grouped_gemm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, co
   const auto xc = x.contiguous();
   const auto dyc = dy.contiguous();
   const auto offsets = device_offsets(counts_on(tokens_per_expert, x.device()), x.size(0), 1, stream);
-  cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgrad,
-                            wgrad_args(xc, dyc, trans_weight, offsets, dw.data_ptr()), stream);
+  const auto args = wgrad_args(xc, dyc, trans_weight, offsets, dw.data_ptr());
+  if (use_sm90(x, {k, n}, {xc.data_ptr(), dyc.data_ptr(), dw.data_ptr()}, num_experts, "grouped_gemm_wgrad")) {
+    launch_sm90(sm90_wgrad(args, cuda::sm90::Op::kWgrad), x, stream);
+  } else {
+    cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgrad, args, stream);
+  }
   return dw;
 }
 
@@ -138,8 +232,13 @@ void grouped_gemm_wgrad_accum_cuda(at::Tensor& main_grad, const at::Tensor& x, c
   const auto xc = x.contiguous();
   const auto dyc = dy.contiguous();
   const auto offsets = device_offsets(counts_on(tokens_per_expert, x.device()), x.size(0), 1, stream);
-  cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgradAccum,
-                            wgrad_args(xc, dyc, trans_weight, offsets, main_grad.data_ptr()), stream);
+  const auto args = wgrad_args(xc, dyc, trans_weight, offsets, main_grad.data_ptr());
+  if (use_sm90(x, {k, n}, {xc.data_ptr(), dyc.data_ptr(), main_grad.data_ptr()}, num_experts,
+               "grouped_gemm_wgrad_accum_")) {
+    launch_sm90(sm90_wgrad(args, cuda::sm90::Op::kWgradAccum), x, stream);
+  } else {
+    cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgradAccum, args, stream);
+  }
 }
 
 }  // namespace

@@ -22,16 +22,22 @@ enum class Op {
   kWgradAccum,  // fp32 d[e] += a_e^T @ b_e; empty expert -> untouched
 };
 
-// CTA tile and cluster of the persistent kernel (see pick_tile in grouped_gemm_sm90.cu).
+// CTA tile, schedule and cluster of the persistent kernel (see pick_tile in grouped_gemm_sm90.cu). The first
+// two are built for every dtype and op, the other two for bf16 forward and wgrad only (the 2x1 cluster is the
+// heuristics' pick for bf16 forward with large groups; pingpong is a tuning candidate for MOE_CORE_GEMM_TILE).
 enum class Tile {
-  k128x256,  // 128x256x64, 2 consumer warpgroups (cooperative), cluster 1x2: large groups
-  k128x128,  // 128x128x64, cooperative, cluster 1x1: few tiles per SM (small or few groups)
+  k128x256,            // 128x256x64, 2 consumer warpgroups on one tile (cooperative), cluster 1x2: the A tile
+                       // (an expert's rows) is multicast to two column tiles
+  k128x128,            // 128x128x64, cooperative, cluster 1x1: odd column-tile counts, few tiles
+  k128x256_2x1,        // 128x256x64, cooperative, cluster 2x1: the B tile is multicast to two row tiles
+  k128x128_pingpong,   // 128x128x64, 2 consumer warpgroups on alternate tiles (one's epilogue overlaps the
+                       // other's MMAs), cluster 1x2
 };
 
 // One grouped product in element units, all tensors contiguous and 16-byte aligned.
 // Forward: a = x [T, K], b = weight, d = y [T, N]; m = T, n = N, k = K.
 // Wgrad: a = the operand whose columns become d[e]'s rows ([T, m] row-major), b = [T, n] row-major,
-// d = [E, m, n]; k = T (unused beyond bounds).
+// d = [E, m, n]; k unused (each expert's reduction length comes from row_offsets).
 struct Problem {
   Dtype dtype = Dtype::kBf16;
   Op op = Op::kForwardKN;
@@ -44,10 +50,12 @@ struct Problem {
   const int64_t* row_offsets = nullptr;  // [E + 1] on the device, clamped to [0, T]
 };
 
-// True when this build has the sm_90a kernels and `device` is a Hopper GPU (compute capability 9.0).
-bool available(int device);
+// True when this build has the sm_90a kernels (the caller checks that the GPU is compute capability 9.0).
+bool compiled();
 
-// The tile the heuristics pick for `p` (E, m/n/k and the SM count); MOE_CORE_GEMM_DEBUG=1 prints it.
+// The tile the heuristics pick for `p` from host-known numbers (E, m/n/k, the SM count; never the counts).
+// MOE_CORE_GEMM_TILE=128x256|128x128|128x256c21|128x128pp overrides it (for tuning;
+// a tile not built for the dtype and op falls back to 128x256 or 128x128); MOE_CORE_GEMM_DEBUG=1 prints the choice.
 Tile pick_tile(const Problem& p, int sm_count);
 
 // Bytes of device workspace `launch` needs (group arrays and CUTLASS's own workspace).
@@ -56,5 +64,13 @@ size_t workspace_bytes(const Problem& p, int sm_count);
 // Enqueues the prepare kernel and the grouped GEMM on `stream`; workspace: workspace_bytes(p) bytes, 256-byte
 // aligned, from the caching allocator. Throws (TORCH_CHECK) if CUTLASS rejects the problem.
 void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream);
+
+namespace detail {
+// One configuration's entry points, defined in grouped_gemm_sm90.cuh and instantiated by one .cu file each.
+template <Dtype D, Op O, Tile T>
+size_t workspace_bytes(const Problem& p, int sm_count);
+template <Dtype D, Op O, Tile T>
+void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream);
+}  // namespace detail
 
 }  // namespace moe_core::cuda::sm90

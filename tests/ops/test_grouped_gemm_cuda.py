@@ -1,6 +1,8 @@
 """grouped_gemm on CUDA: forward, dgrad and wgrad against float64 references over every expert count, group-size
 pattern, dtype and weight layout, on NaN-poisoned memory; the accumulating wgrad, CUDA-graph replay with new
-counts, torch.compile parity and the absence of host syncs.
+counts, torch.compile parity and the absence of host syncs. On Hopper the aligned bf16/fp16 cases run the
+CUTLASS sm_90a kernels (every tile is forced once) and the rest the portable kernels; MOE_CORE_GEMM_PORTABLE
+runs both back ends on the same cases.
 
 Legend: T rows, K reduction width, N output width, E experts. All tests need a GPU (marked ``gpu``).
 """
@@ -15,8 +17,9 @@ from tests.ops.test_grouped_gemm import EXPERT_COUNTS, PATTERNS, make_counts, re
 pytestmark = pytest.mark.gpu
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# (K, N): odd widths take the guarded scalar loads, the aligned ones the vector loads and several tiles.
-SHAPES = [(41, 9), (136, 130)]
+# (K, N): odd widths take the portable kernel's guarded scalar loads, (136, 130) its vector loads; widths in
+# whole 16-byte vectors take the sm_90a CUTLASS kernels on Hopper for bf16/fp16 (the portable one elsewhere).
+SHAPES = [(41, 9), (136, 130), (264, 200)]
 
 
 def poison_allocator() -> None:
@@ -75,27 +78,54 @@ def test_matches_float64(num_experts, pattern, dtype, trans_weight):
     torch.manual_seed(num_experts)
     counts = make_counts(pattern, num_experts, seed=num_experts)
     case = EXPERT_COUNTS.index(num_experts) + PATTERNS.index(pattern)
-    k, n = SHAPES[case % 2]
+    k, n = SHAPES[case % 3]
     # Counts alternate between GPU and CPU (the wrapper copies those over), int64 and int32.
     check_against_float64(counts, k, n, dtype, trans_weight, counts_device=("cuda", "cpu")[case % 2],
                           count_dtype=(torch.int64, torch.int32)[(case // 2) % 2])
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_groups_spanning_many_tiles(dtype, trans_weight):
-    # Groups longer than one row tile, ragged ends in every dimension, empty groups between them.
+def test_groups_spanning_many_tiles(dtype, trans_weight, portable, monkeypatch):
+    # Groups longer than one row tile, ragged ends in every dimension, empty groups between them; on Hopper
+    # both back ends (MOE_CORE_GEMM_PORTABLE=1 forces the portable kernels).
+    if portable:
+        monkeypatch.setenv("MOE_CORE_GEMM_PORTABLE", "1")
     torch.manual_seed(1)
     counts = torch.tensor([300, 0, 129, 1, 0, 257, 64])
     check_against_float64(counts, 264, 200, dtype, trans_weight)
 
 
+@pytest.mark.parametrize("tile", ["128x256", "128x128", "128x256c21", "128x128pp"])
+@pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
+def test_every_sm90_tile_matches_float64(tile, trans_weight, monkeypatch):
+    # The tile heuristics pick one tile per problem; MOE_CORE_GEMM_TILE forces each (ignored off Hopper).
+    monkeypatch.setenv("MOE_CORE_GEMM_TILE", tile)
+    torch.manual_seed(7)
+    counts = torch.tensor([0, 700, 5, 0, 300, 1, 0, 130])
+    check_against_float64(counts, 520, 384, torch.bfloat16, trans_weight)
+
+
+def test_large_groups_take_the_2x1_cluster_by_default(monkeypatch, capfd):
+    # The heuristics' own pick (no MOE_CORE_GEMM_TILE) for bf16 with >= 512 rows per expert and many tiles.
+    monkeypatch.delenv("MOE_CORE_GEMM_TILE", raising=False)
+    monkeypatch.setenv("MOE_CORE_GEMM_DEBUG", "1")
+    torch.manual_seed(8)
+    check_against_float64(torch.tensor([1100, 948]), 64, 8192, torch.bfloat16, False)
+    err = capfd.readouterr().err
+    if torch.cuda.get_device_capability() == (9, 0) and "built without sm_90a" not in err:
+        assert "forward (weight [E, K, N]): E=2 m=2048 n=8192 k=64 -> tile 128x256x64 cooperative cluster 2x1" in err
+
+
+@pytest.mark.parametrize("n", [33, 40])
 @pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight):
+def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n):
+    # n = 40 (with k = 72) takes the sm_90a kernels for bf16/fp16 on Hopper, n = 33 the portable ones.
     torch.manual_seed(2)
     counts = torch.tensor([5, 0, 130, 0, 1])
-    t, k, n = int(counts.sum()), 72, 33
+    t, k = int(counts.sum()), 72
     x, dy = torch.randn(t, k, device="cuda").to(dtype), torch.randn(t, n, device="cuda").to(dtype)
     shape = (5, n, k) if trans_weight else (5, k, n)
     start = torch.randn(shape, device="cuda")
@@ -194,14 +224,16 @@ def test_forward_backward_has_no_host_sync():
     assert x.grad is not None and w.grad is not None
 
 
-def test_rows_past_the_counts_sum_are_zero():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_past_the_counts_sum_are_zero(dtype):
     # GPU counts are not checked (that would sync); a short sum must still leave no row unwritten.
     counts = torch.tensor([3, 0, 2], device="cuda")
-    x, w = torch.randn(9, 16, device="cuda"), torch.randn(3, 16, 8, device="cuda")
+    x, w = torch.randn(9, 16, device="cuda", dtype=dtype), torch.randn(3, 16, 8, device="cuda", dtype=dtype)
     poison_allocator()
     y = torch.ops.moe_core.grouped_gemm(x, w, counts, False)
-    torch.testing.assert_close(y[:5], grouped_gemm_ref(x[:5], w, counts.cpu()))
-    assert torch.equal(y[5:], torch.zeros(4, 8, device="cuda"))
+    ref = grouped_gemm_ref(x[:5].double(), w.double(), counts.cpu())
+    torch.testing.assert_close(y[:5].double(), ref, rtol=1e-2, atol=1e-2)
+    assert torch.equal(y[5:], torch.zeros(4, 8, device="cuda", dtype=dtype))
 
 
 def test_zero_reduction_width_and_no_experts():
@@ -210,3 +242,29 @@ def test_zero_reduction_width_and_no_experts():
     dw = torch.ops.moe_core.grouped_gemm_wgrad(torch.randn(0, 8, device="cuda"), torch.randn(0, 4, device="cuda"),
                                                torch.zeros(3, dtype=torch.int32, device="cuda"), False)
     assert torch.equal(dw, torch.zeros(3, 8, 4, device="cuda"))
+
+
+def sanitizer_smoke() -> None:
+    """A few small calls with empty experts through every back end, for compute-sanitizer (memcheck,
+    racecheck): ``compute-sanitizer --tool memcheck python3 -m tests.ops.test_grouped_gemm_cuda``."""
+    import os
+
+    counts = torch.tensor([0, 37, 0, 200, 3, 0], device="cuda")
+    t = int(counts.sum())
+    for portable in ("0", "1"):
+        os.environ["MOE_CORE_GEMM_PORTABLE"] = portable
+        for dtype, (k, n) in ((torch.bfloat16, (72, 40)), (torch.bfloat16, (41, 9)), (torch.float32, (72, 40))):
+            x = torch.randn(t, k, device="cuda", dtype=dtype, requires_grad=True)
+            w = torch.randn(6, k, n, device="cuda", dtype=dtype, requires_grad=True)
+            grouped_gemm(x, w, counts).backward(torch.randn(t, n, device="cuda", dtype=dtype))
+            main_grad = torch.zeros(6, k, n, device="cuda")
+            torch.ops.moe_core.grouped_gemm_wgrad_accum_(main_grad, x.detach(), x.new_ones(t, n), counts, False)
+        torch.ops.moe_core.grouped_gemm(torch.empty(0, 64, device="cuda", dtype=torch.bfloat16),
+                                        torch.randn(6, 64, 32, device="cuda", dtype=torch.bfloat16),
+                                        torch.zeros(6, dtype=torch.int64, device="cuda"), False)
+    torch.cuda.synchronize()
+    print("sanitizer smoke: done")
+
+
+if __name__ == "__main__":
+    sanitizer_smoke()

@@ -1,0 +1,135 @@
+// Dispatch over the sm_90a grouped GEMM configurations (one per grouped_gemm_sm90_*.cu) and the tile heuristics.
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "grouped_gemm_sm90.h"
+
+namespace moe_core::cuda::sm90 {
+namespace {
+
+const char* name(Tile t) {
+  switch (t) {
+    case Tile::k128x256: return "128x256x64 cooperative cluster 1x2";
+    case Tile::k128x128: return "128x128x64 cooperative cluster 1x1";
+    case Tile::k128x256_2x1: return "128x256x64 cooperative cluster 2x1";
+    case Tile::k128x128_pingpong: return "128x128x64 pingpong cluster 1x2";
+  }
+  return "?";
+}
+
+const char* name(Op op) {
+  switch (op) {
+    case Op::kForwardKN: return "forward (weight [E, K, N])";
+    case Op::kForwardNK: return "forward (weight [E, N, K])";
+    case Op::kWgrad: return "wgrad";
+    case Op::kWgradAccum: return "wgrad accumulate";
+  }
+  return "?";
+}
+
+bool debug() {
+  const char* flag = std::getenv("MOE_CORE_GEMM_DEBUG");
+  return flag != nullptr && std::strcmp(flag, "0") != 0;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Output tiles of `p` for a BM x BN tile, from host-known numbers only: forward rows split into E groups waste
+// about half a row tile each; wgrad counts every expert as non-empty.
+int64_t tiles(const Problem& p, int64_t bm, int64_t bn) {
+  const bool forward = p.op == Op::kForwardKN || p.op == Op::kForwardNK;
+  const int64_t row_tiles = forward ? ceil_div(p.m, bm) + p.num_experts / 2 : p.num_experts * ceil_div(p.m, bm);
+  return row_tiles * ceil_div(p.n, bn);
+}
+
+template <Dtype D, Op O, Tile T>
+void run(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, size_t* bytes) {
+  if (bytes) *bytes = detail::workspace_bytes<D, O, T>(p, sm_count);
+  else detail::launch<D, O, T>(p, workspace, sm_count, stream);
+}
+
+// The tuning candidates are built for bf16 forward and wgrad only (see Tile).
+constexpr bool candidates_built(Dtype d, Op op) { return d == Dtype::kBf16 && op != Op::kWgradAccum; }
+
+template <Dtype D, Op O>
+void dispatch_tile(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, size_t* bytes) {
+  if constexpr (candidates_built(D, O)) {
+    if (p.tile == Tile::k128x256_2x1) return run<D, O, Tile::k128x256_2x1>(p, workspace, sm_count, stream, bytes);
+    if (p.tile == Tile::k128x128_pingpong) {
+      return run<D, O, Tile::k128x128_pingpong>(p, workspace, sm_count, stream, bytes);
+    }
+  }
+  if (p.tile == Tile::k128x128) return run<D, O, Tile::k128x128>(p, workspace, sm_count, stream, bytes);
+  run<D, O, Tile::k128x256>(p, workspace, sm_count, stream, bytes);
+}
+
+template <Dtype D>
+void dispatch_op(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, size_t* bytes) {
+  switch (p.op) {
+    case Op::kForwardKN: return dispatch_tile<D, Op::kForwardKN>(p, workspace, sm_count, stream, bytes);
+    case Op::kForwardNK: return dispatch_tile<D, Op::kForwardNK>(p, workspace, sm_count, stream, bytes);
+    case Op::kWgrad: return dispatch_tile<D, Op::kWgrad>(p, workspace, sm_count, stream, bytes);
+    case Op::kWgradAccum: return dispatch_tile<D, Op::kWgradAccum>(p, workspace, sm_count, stream, bytes);
+  }
+}
+
+// bytes != nullptr: report the workspace size; else launch.
+void dispatch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, size_t* bytes) {
+#if defined(MOE_CORE_WITH_SM90)
+  if (p.dtype == Dtype::kBf16) dispatch_op<Dtype::kBf16>(p, workspace, sm_count, stream, bytes);
+  else dispatch_op<Dtype::kFp16>(p, workspace, sm_count, stream, bytes);
+#else
+  TORCH_CHECK(false, "grouped_gemm: this build has no sm_90a kernels");
+#endif
+}
+
+}  // namespace
+
+bool compiled() {
+#if defined(MOE_CORE_WITH_SM90)
+  return true;
+#else
+  return false;
+#endif
+}
+
+Tile pick_tile(const Problem& p, int sm_count) {
+  const bool candidates = candidates_built(p.dtype, p.op);
+  const bool forward = p.op == Op::kForwardKN || p.op == Op::kForwardNK;
+  // The 2x1 cluster multicasts the 256-wide B tile to two row tiles (64 KiB of L2 reads per pair and k-step
+  // against 80 KiB for 1x2), but pads every expert to an even count of row tiles: worth it from about four
+  // row tiles per expert (T / E >= 512; H100 sweep, docs/kernel_notes.md). The 1x2 cluster pairs column
+  // tiles instead, so an odd count of 256-wide column tiles idles some pairs (N = 768 dgrad: 458 TFLOP/s wide,
+  // 556 narrow); below two waves of wide tiles the narrow tile balances the SMs better.
+  const bool even_pairs = ceil_div(p.n, 256) % 2 == 0;
+  const bool many_tiles = tiles(p, 128, 256) >= 2 * sm_count;
+  Tile tile = even_pairs && many_tiles ? Tile::k128x256 : Tile::k128x128;
+  if (candidates && forward && many_tiles && p.m >= 512 * p.num_experts) tile = Tile::k128x256_2x1;
+  if (const char* forced = std::getenv("MOE_CORE_GEMM_TILE")) {
+    if (std::strcmp(forced, "128x256") == 0) tile = Tile::k128x256;
+    else if (std::strcmp(forced, "128x128") == 0) tile = Tile::k128x128;
+    else if (std::strcmp(forced, "128x256c21") == 0) tile = candidates ? Tile::k128x256_2x1 : Tile::k128x256;
+    else if (std::strcmp(forced, "128x128pp") == 0) tile = candidates ? Tile::k128x128_pingpong : Tile::k128x128;
+  }
+  if (debug()) {
+    std::fprintf(stderr, "[moe_core] grouped_gemm sm90 %s: E=%lld m=%lld n=%lld k=%lld -> tile %s\n", name(p.op),
+                 static_cast<long long>(p.num_experts), static_cast<long long>(p.m), static_cast<long long>(p.n),
+                 static_cast<long long>(p.k), name(tile));
+  }
+  return tile;
+}
+
+size_t workspace_bytes(const Problem& p, int sm_count) {
+  size_t bytes = 0;
+  dispatch(p, nullptr, sm_count, nullptr, &bytes);
+  return bytes;
+}
+
+void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
+  dispatch(p, workspace, sm_count, stream, nullptr);
+}
+
+}  // namespace moe_core::cuda::sm90

@@ -1,0 +1,319 @@
+// One sm_90a grouped GEMM configuration: CUTLASS 3.x pointer-array kernel (TMA loads, wgmma, warp-specialized
+// persistent CTAs, the group tile scheduler) plus the prepare kernel that feeds it from device-side offsets.
+// Included by the grouped_gemm_sm90_*.cu files, one configuration each, so they compile in parallel.
+#pragma once
+
+#include "grouped_gemm_sm90.h"
+
+#if !defined(MOE_CORE_WITH_SM90)
+// Built without the sm_90a target: the configuration files compile to nothing and compiled() is false.
+#define MOE_CORE_SM90_INSTANTIATE(DTYPE, OP, TILE)
+#else
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <array>
+#include <mutex>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+namespace moe_core::cuda::sm90 {
+
+template <Dtype D> struct ElementOf;
+template <> struct ElementOf<Dtype::kBf16> { using type = cutlass::bfloat16_t; };
+template <> struct ElementOf<Dtype::kFp16> { using type = cutlass::half_t; };
+
+// Cooperative: both consumer warpgroups share one tile. Pingpong: each takes its own tile, so one's epilogue
+// overlaps the other's MMAs.
+struct Cooperative {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+template <Tile T> struct TileOf;
+template <> struct TileOf<Tile::k128x256> : Cooperative {
+  using Shape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+};
+template <> struct TileOf<Tile::k128x128> : Cooperative {
+  using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+};
+template <> struct TileOf<Tile::k128x256_2x1> : Cooperative {
+  using Shape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
+template <> struct TileOf<Tile::k128x128_pingpong> : Pingpong {
+  using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
+};
+
+// Layouts in CUTLASS's (M, N, K) terms. Forward: A = x_e [M_e, K] K-contiguous; B = w_e, N-contiguous ([K, N])
+// or K-contiguous ([N, K]); D = y_e [M_e, N]. Wgrad: A = a_e^T with a_e [T_e, m] read M-contiguous,
+// B = b_e [T_e, n] N-contiguous, D = d[e] [m, n].
+template <Op O> struct LayoutsOf {
+  using A = std::conditional_t<O == Op::kForwardKN || O == Op::kForwardNK, cutlass::layout::RowMajor,
+                               cutlass::layout::ColumnMajor>;
+  using B = std::conditional_t<O == Op::kForwardNK, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+};
+
+template <Dtype D, Op O, Tile T>
+struct Config {
+  static constexpr bool kAccum = O == Op::kWgradAccum;
+  using Element = typename ElementOf<D>::type;
+  using ElementD = std::conditional_t<kAccum, float, Element>;
+  using ElementC = std::conditional_t<kAccum, float, void>;  // void: no source read, beta is 0
+  using LayoutA = typename LayoutsOf<O>::A;
+  using LayoutB = typename LayoutsOf<O>::B;
+  using LayoutD = cutlass::layout::RowMajor;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  static constexpr int kAlign = 8;                                        // 16 bytes of bf16/fp16
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename TileOf<T>::Shape, typename TileOf<T>::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
+      typename TileOf<T>::Epilogue,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
+      float, typename TileOf<T>::Shape, typename TileOf<T>::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename TileOf<T>::Kernel>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Shape = typename ProblemShape::UnderlyingProblemShape;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideC = typename Kernel::InternalStrideC;
+  using StrideD = typename Kernel::InternalStrideD;
+  using PtrC = std::conditional_t<kAccum, const float*, const void*>;
+};
+
+// The per-group arrays CUTLASS reads, carved out of one workspace ahead of CUTLASS's own.
+template <class C>
+struct GroupArrays {
+  typename C::Shape* shapes = nullptr;
+  const typename C::Element** a = nullptr;
+  const typename C::Element** b = nullptr;
+  typename C::PtrC* c = nullptr;
+  typename C::ElementD** d = nullptr;
+  typename C::StrideA* stride_a = nullptr;
+  typename C::StrideB* stride_b = nullptr;
+  typename C::StrideC* stride_c = nullptr;
+  typename C::StrideD* stride_d = nullptr;
+  void* cutlass_workspace = nullptr;
+
+  static constexpr size_t kAlign = 256;
+  static size_t round_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+  static size_t bytes_per_group_arrays(int64_t e) {
+    return round_up(e * sizeof(typename C::Shape)) + 4 * round_up(e * sizeof(void*)) +
+           round_up(e * sizeof(typename C::StrideA)) + round_up(e * sizeof(typename C::StrideB)) +
+           round_up(e * sizeof(typename C::StrideC)) + round_up(e * sizeof(typename C::StrideD));
+  }
+
+  GroupArrays() = default;  // unplaced: enough for CUTLASS's workspace query, which reads no pointer
+  GroupArrays(void* workspace, int64_t e) {
+    auto* p = static_cast<char*>(workspace);
+    auto take = [&](size_t bytes) { char* q = p; p += round_up(bytes); return q; };
+    shapes = reinterpret_cast<typename C::Shape*>(take(e * sizeof(typename C::Shape)));
+    a = reinterpret_cast<const typename C::Element**>(take(e * sizeof(void*)));
+    b = reinterpret_cast<const typename C::Element**>(take(e * sizeof(void*)));
+    c = reinterpret_cast<typename C::PtrC*>(take(e * sizeof(void*)));
+    d = reinterpret_cast<typename C::ElementD**>(take(e * sizeof(void*)));
+    stride_a = reinterpret_cast<typename C::StrideA*>(take(e * sizeof(typename C::StrideA)));
+    stride_b = reinterpret_cast<typename C::StrideB*>(take(e * sizeof(typename C::StrideB)));
+    stride_c = reinterpret_cast<typename C::StrideC*>(take(e * sizeof(typename C::StrideC)));
+    stride_d = reinterpret_cast<typename C::StrideD*>(take(e * sizeof(typename C::StrideD)));
+    cutlass_workspace = p;
+  }
+};
+
+// A packed 2-D operand's stride with leading dimension `ld`: whichever of the first two modes is not the
+// static unit stride gets ld (the batch mode stays 0: groups are addressed by pointer).
+template <class Stride>
+__device__ __forceinline__ Stride leading_stride(int64_t ld) {
+  Stride s{};
+  if constexpr (cute::is_static<cute::remove_cvref_t<decltype(cute::get<0>(s))>>::value) cute::get<1>(s) = ld;
+  else cute::get<0>(s) = ld;
+  return s;
+}
+
+constexpr int kPrepareThreads = 256;
+
+// Grid (1 + zero_blocks, E). Column 0: thread 0 of block (0, e) writes group e's problem shape, pointers and
+// strides. Other columns zero-fill what no GEMM tile will write: forward, the rows past the counts' sum
+// (only when bad counts leave a tail; expert 0's blocks do it); wgrad, the whole d[e] of an empty expert, whose
+// GEMM group is given M = 0 (CUTLASS leaves the accumulators of a zero-length reduction uninitialized).
+template <class C, Op O>
+__global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C> g, Problem p) {
+  using Element = typename C::Element;
+  const int64_t e = blockIdx.y;
+  const int64_t r0 = p.row_offsets[e], r1 = p.row_offsets[e + 1];
+  const auto* a = static_cast<const Element*>(p.a);
+  const auto* b = static_cast<const Element*>(p.b);
+  auto* d = static_cast<typename C::ElementD*>(p.d);
+  constexpr bool kForward = O == Op::kForwardKN || O == Op::kForwardNK;
+  if (blockIdx.x == 0) {
+    if (threadIdx.x != 0) return;
+    if constexpr (kForward) {
+      g.shapes[e] = {static_cast<int>(r1 - r0), static_cast<int>(p.n), static_cast<int>(p.k)};
+      g.a[e] = a + r0 * p.k;
+      g.b[e] = b + e * p.k * p.n;
+      g.d[e] = d + r0 * p.n;
+      g.stride_a[e] = leading_stride<typename C::StrideA>(p.k);
+      g.stride_b[e] = leading_stride<typename C::StrideB>(O == Op::kForwardKN ? p.n : p.k);
+    } else {
+      // Empty expert: no tiles (M = 0); its zeros come from the fill below.
+      g.shapes[e] = {r1 > r0 ? static_cast<int>(p.m) : 0, static_cast<int>(p.n), static_cast<int>(r1 - r0)};
+      g.a[e] = a + r0 * p.m;
+      g.b[e] = b + r0 * p.n;
+      g.d[e] = d + e * p.m * p.n;
+      g.stride_a[e] = leading_stride<typename C::StrideA>(p.m);
+      g.stride_b[e] = leading_stride<typename C::StrideB>(p.n);
+    }
+    g.c[e] = reinterpret_cast<typename C::PtrC>(g.d[e]);
+    g.stride_c[e] = leading_stride<typename C::StrideC>(p.n);
+    g.stride_d[e] = leading_stride<typename C::StrideD>(p.n);
+    return;
+  }
+  // Zero-fill in 16-byte stores: the host admits only n % 8 == 0 and 16-byte aligned bases.
+  int64_t begin = 0, end = 0;  // in 16-byte chunks of d
+  constexpr int64_t kPerChunk = 16 / sizeof(typename C::ElementD);
+  if constexpr (kForward) {
+    if (e != 0) return;
+    begin = p.row_offsets[p.num_experts] * p.n / kPerChunk;
+    end = p.m * p.n / kPerChunk;
+  } else if constexpr (O == Op::kWgrad) {
+    if (r1 > r0) return;
+    begin = e * p.m * p.n / kPerChunk;
+    end = (e + 1) * p.m * p.n / kPerChunk;
+  } else {
+    return;
+  }
+  auto* out = reinterpret_cast<uint4*>(d);
+  const int64_t step = static_cast<int64_t>(gridDim.x - 1) * kPrepareThreads;
+  for (int64_t i = begin + (blockIdx.x - 1) * kPrepareThreads + threadIdx.x; i < end; i += step) {
+    out[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <Dtype D, Op O, Tile T>
+struct Runner {
+  using C = Config<D, O, T>;
+
+  static typename C::Gemm::Arguments arguments(const Problem& p, const GroupArrays<C>& g, int sm_count) {
+    cutlass::KernelHardwareInfo hw;
+    hw.sm_count = sm_count;
+    typename C::Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {static_cast<int>(p.num_experts), g.shapes, nullptr},
+        {g.a, g.stride_a, g.b, g.stride_b},
+        {{}, g.c, g.stride_c, g.d, g.stride_d},
+        hw};
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = C::kAccum ? 1.0f : 0.0f;
+    return args;
+  }
+
+  static size_t workspace(const Problem& p, int sm_count) {
+    return GroupArrays<C>::bytes_per_group_arrays(p.num_experts) +
+           C::Gemm::get_workspace_size(arguments(p, GroupArrays<C>{}, sm_count));
+  }
+
+  static int zero_blocks(const Problem& p) {
+    if (O == Op::kWgradAccum) return 0;
+    // Blocks that exit at once unless there is something to zero. Forward: the tail exists only for bad
+    // counts, 16 blocks suffice. Wgrad: up to 64 blocks per empty expert stream its d[e] at about bandwidth.
+    const int64_t chunks = p.m * p.n / 8;
+    const int64_t wanted = (chunks + kPrepareThreads * 4 - 1) / (kPrepareThreads * 4);
+    return static_cast<int>(std::clamp<int64_t>(wanted, 1, O == Op::kWgrad ? 64 : 16));
+  }
+
+  // CUTLASS's Params depend only on the workspace address (group arrays and per-SM tensormap slots live
+  // there), E and the SM count: the TMA descriptors are built on placeholder addresses and rewritten per group
+  // on the device. Building them (descriptor encoding, checks) costs tens of microseconds of host time, so
+  // recent ones are kept; the caching allocator hands the same workspace back in steady state.
+  struct Cached {
+    int device = -1;
+    void* workspace = nullptr;
+    int64_t num_experts = 0;
+    int sm_count = 0;
+    typename C::Gemm::Params params;
+  };
+
+  static typename C::Gemm::Params params_for(const Problem& p, const GroupArrays<C>& g, void* workspace,
+                                             int sm_count, cudaStream_t stream) {
+    static std::mutex mutex;
+    static std::array<Cached, 8> cache;
+    static size_t next = 0;
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    const std::lock_guard<std::mutex> lock(mutex);
+    for (const Cached& c : cache) {
+      if (c.device == device && c.workspace == workspace && c.num_experts == p.num_experts &&
+          c.sm_count == sm_count) {
+        return c.params;
+      }
+    }
+    typename C::Gemm gemm;
+    const auto args = arguments(p, g, sm_count);
+    cutlass::Status status = gemm.can_implement(args);
+    TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90): CUTLASS cannot implement the problem: ",
+                cutlassGetStatusString(status));
+    status = gemm.initialize(args, g.cutlass_workspace, stream);  // also raises the kernel's shared memory limit
+    TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90): CUTLASS initialize failed: ",
+                cutlassGetStatusString(status));
+    cache[next] = {device, workspace, p.num_experts, sm_count, gemm.params()};
+    next = (next + 1) % cache.size();
+    return gemm.params();
+  }
+
+  static void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
+    GroupArrays<C> g(workspace, p.num_experts);
+    const dim3 grid(1 + zero_blocks(p), static_cast<unsigned>(p.num_experts));
+    prepare_groups<C, O><<<grid, kPrepareThreads, 0, stream>>>(g, p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto params = params_for(p, g, workspace, sm_count, stream);
+    const cutlass::Status status = C::Gemm::run(params, stream);
+    TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90): CUTLASS run failed: ",
+                cutlassGetStatusString(status));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+namespace detail {
+template <Dtype D, Op O, Tile T>
+size_t workspace_bytes(const Problem& p, int sm_count) { return Runner<D, O, T>::workspace(p, sm_count); }
+template <Dtype D, Op O, Tile T>
+void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
+  Runner<D, O, T>::launch(p, workspace, sm_count, stream);
+}
+}  // namespace detail
+
+}  // namespace moe_core::cuda::sm90
+
+// The one configuration a grouped_gemm_sm90_*.cu file compiles.
+#define MOE_CORE_SM90_INSTANTIATE(DTYPE, OP, TILE)                                                    \
+  namespace moe_core::cuda::sm90::detail {                                                           \
+  template size_t workspace_bytes<Dtype::DTYPE, Op::OP, Tile::TILE>(const Problem&, int);            \
+  template void launch<Dtype::DTYPE, Op::OP, Tile::TILE>(const Problem&, void*, int, cudaStream_t); \
+  }
+
+#endif  // MOE_CORE_WITH_SM90
