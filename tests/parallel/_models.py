@@ -21,6 +21,15 @@ from moe_core.moe.token_dispatcher_alltoall import MoEAlltoAllTokenDispatcher
 
 DISPATCHERS = {"alltoall": MoEAlltoAllTokenDispatcher, "allgather": MoEAllGatherTokenDispatcher}
 
+GLOBAL_TOKENS = 24
+NUM_EXPERTS = 8
+# Capacity settings the EP tests sweep: none, dropping, and drop_and_pad (static shapes).
+CAPACITY = {
+    None: {},
+    "drop": {"moe_expert_capacity_factor": 1.0},
+    "pad": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
+}
+
 
 @dataclass(frozen=True)
 class Scenario:

@@ -13,17 +13,10 @@ import torch.distributed as dist
 
 from tests.parallel._common import all_reduce_sum, compare, groups
 from tests.parallel._launch import device, run_distributed
-from tests.parallel._models import DISPATCHERS, SCENARIOS, ToyMoE, forced_routing, make_config, token_counts
+from tests.parallel._models import (
+    CAPACITY, DISPATCHERS, GLOBAL_TOKENS, NUM_EXPERTS, SCENARIOS, ToyMoE, forced_routing, make_config, token_counts,
+)
 
-GLOBAL_TOKENS = 24
-NUM_EXPERTS = 8
-
-
-CAPACITY = {
-    None: {},
-    "drop": {"moe_expert_capacity_factor": 1.0},
-    "pad": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
-}
 
 
 def _layer_parity(scenario: str, dispatchers: list[str], ep: int, capacity: str | None = None) -> dict:

@@ -12,15 +12,8 @@ from moe_core.config import TransformerConfig
 from moe_core.moe.moe_layer import MoELayer
 from tests.parallel._common import all_reduce_sum, compare, groups
 from tests.parallel._launch import device, run_distributed
-from tests.parallel._models import SCENARIOS, forced_probs, forced_routing, is_expert_name, token_counts
+from tests.parallel._models import CAPACITY, GLOBAL_TOKENS, NUM_EXPERTS, SCENARIOS, forced_probs, forced_routing, is_expert_name, token_counts
 
-GLOBAL_TOKENS = 24
-NUM_EXPERTS = 8
-CAPACITY = {
-    None: {},
-    "drop": {"moe_expert_capacity_factor": 1.0},
-    "pad": {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True},
-}
 
 
 def layer_config(topk: int, dispatcher: str, ep: int = 1, **kw) -> TransformerConfig:
