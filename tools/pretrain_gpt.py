@@ -34,7 +34,10 @@ MODEL_FLAGS = [
     ("--ffn-hidden-size", "ffn_hidden_size", int), ("--seq-length", "seq_length", int),
     ("--num-experts", "num_moe_experts", int), ("--moe-router-topk", "moe_router_topk", int),
     ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", int), ("--moe-aux-loss-coeff", "moe_aux_loss_coeff", float),
-    ("--moe-z-loss-coeff", "moe_z_loss_coeff", float),
+    ("--moe-z-loss-coeff", "moe_z_loss_coeff", float), ("--moe-input-jitter-eps", "moe_input_jitter_eps", float),
+    ("--moe-router-load-balancing-type", "moe_router_load_balancing_type", str),
+    ("--moe-router-score-function", "moe_router_score_function", str),
+    ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float),
     ("--moe-token-dispatcher-type", "moe_token_dispatcher_type", str),
     ("--expert-model-parallel-size", "expert_model_parallel_size", int),
 ]
@@ -42,10 +45,12 @@ TRAINING_FLAGS = [
     ("--micro-batch-size", "micro_batch_size", int), ("--global-batch-size", "global_batch_size", int),
     ("--train-iters", "train_iters", int), ("--lr", "lr", float), ("--min-lr", "min_lr", float),
     ("--lr-warmup-iters", "lr_warmup_iters", int), ("--weight-decay", "weight_decay", float),
+    ("--adam-beta1", "adam_beta1", float), ("--adam-beta2", "adam_beta2", float), ("--adam-eps", "adam_eps", float),
     ("--clip-grad", "clip_grad", float), ("--log-interval", "log_interval", int),
     ("--eval-interval", "eval_interval", int), ("--eval-iters", "eval_iters", int), ("--save", "save", str),
-    ("--save-interval", "save_interval", int), ("--load", "load", str), ("--seed", "seed", int),
-    ("--tokenizer", "tokenizer", str), ("--output-dir", "output_dir", str),
+    ("--save-interval", "save_interval", int), ("--load", "load", str), ("--exit-interval", "exit_interval", int),
+    ("--seed", "seed", int), ("--tokenizer", "tokenizer", str), ("--output-dir", "output_dir", str),
+    ("--tensorboard-dir", "tensorboard_dir", str),
 ]
 
 
@@ -60,8 +65,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
     parser.add_argument("--bf16", dest="bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 autocast on CUDA (default on)")
     parser.add_argument("--use-torch-fsdp2", dest="use_torch_fsdp2", action="store_true", default=None)
+    parser.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action=argparse.BooleanOptionalAction,
+                        default=None, help="GroupedMLP (default) or, with --no-moe-grouped-gemm, SequentialMLP")
+    parser.add_argument("--moe-router-enable-expert-bias", dest="moe_router_enable_expert_bias",
+                        action="store_true", default=None, help="aux-loss-free balancing (DeepSeek-V3)")
     args = vars(parser.parse_args(argv))
     model_overrides = {field: args[field] for _, field, _ in MODEL_FLAGS}
+    model_overrides.update(moe_grouped_gemm=args["moe_grouped_gemm"],
+                           moe_router_enable_expert_bias=args["moe_router_enable_expert_bias"])
     training_overrides = {field: args[field] for _, field, _ in TRAINING_FLAGS}
     training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"])
     if args["tokenizer"] is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from pathlib import Path
 
@@ -35,14 +36,29 @@ def is_validation(name: str) -> bool:
 
 
 def read_documents(paths: list[Path]) -> list[tuple[str, str]]:
-    """``(name, text)`` per document: a text file is one document, a ``.jsonl`` file one per line ("text")."""
+    """``(name, text)`` per document: a text file is one document, a ``.jsonl`` file one per line (its
+    ``"text"`` field). ``name`` is the file's path relative to the files' common parent directory (``:line``
+    appended for JSONL), so the split does not change when the corpus moves.
+
+    Raises:
+        ValueError: a JSONL line is not an object with a string ``"text"`` field.
+    """
+    resolved = [Path(p).resolve() for p in paths]
+    root = Path(os.path.commonpath([p.parent for p in resolved])) if resolved else Path()
     docs = []
-    for path in paths:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-        if str(path).endswith(".jsonl"):
-            docs += [(f"{path}:{i}", json.loads(line)["text"]) for i, line in enumerate(text.splitlines()) if line.strip()]
-        else:
-            docs.append((str(path), text))
+    for path in resolved:
+        name = path.relative_to(root).as_posix()
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix != ".jsonl":
+            docs.append((name, text))
+            continue
+        for i, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"data_path: {path}:{i}: expected a JSON object with a string 'text' field")
+            docs.append((f"{name}:{i}", record["text"]))
     return docs
 
 
@@ -52,11 +68,7 @@ def build_token_streams(data_path: list[str] | None, tokenizer) -> dict[str, np.
     Raises:
         ValueError: a split is empty (too few documents to hold out a validation file).
     """
-    if data_path is None:
-        root = Path(sysconfig.get_paths()["stdlib"])
-        docs = [(str(p.relative_to(root)), p.read_text(encoding="utf-8", errors="replace")) for p in stdlib_sources()]
-    else:
-        docs = read_documents([Path(p) for p in data_path])
+    docs = read_documents(stdlib_sources() if data_path is None else [Path(p) for p in data_path])
     splits: dict[str, list[str]] = {"train": [], "valid": []}
     for name, text in docs:
         splits["valid" if is_validation(name) else "train"].append(text)
@@ -79,10 +91,10 @@ def sample_batch(tokens: np.ndarray, batch_size: int, seq_length: int, seed: int
     Raises:
         ValueError: the stream is shorter than one window.
     """
-    if len(tokens) <= seq_length + 1:
-        raise ValueError(f"tokens: need more than seq_length + 1 = {seq_length + 1} tokens, got {len(tokens)}")
+    if len(tokens) < seq_length + 1:
+        raise ValueError(f"tokens: need at least seq_length + 1 = {seq_length + 1} tokens, got {len(tokens)}")
     rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - seq_length - 1, size=batch_size)
+    starts = rng.integers(0, len(tokens) - seq_length, size=batch_size)  # windows of seq_length + 1 tokens
     windows = np.stack([tokens[s:s + seq_length + 1] for s in starts]).astype(np.int64)
     windows = torch.from_numpy(windows)
     return windows[:, :-1], windows[:, 1:]

@@ -7,27 +7,43 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    """Writes ``metrics.jsonl``, TensorBoard events and ``loss_curve.png`` under ``output_dir``.
+    """Writes ``metrics.jsonl``, TensorBoard events and ``loss_curve.png``; only the logging rank makes one.
 
-    Only the rank that logs should create one.
+    ``output_dir``: directory of the JSONL and PNG. ``tensorboard_dir``: event directory (None:
+    ``output_dir/tensorboard``). ``resume_step``: None starts the files afresh; a step (a run resumed from a
+    checkpoint of that step) keeps the earlier rows up to it, drops later ones (a run that went on past the
+    checkpoint, and the validation row of resume_step, which the resumed run writes again) and appends, so
+    the files and the PNG show one trajectory.
     """
 
-    def __init__(self, output_dir: str):
+    def __init__(self, output_dir: str, tensorboard_dir: str | None = None, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.dir / "metrics.jsonl", "a")
-        self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        jsonl = self.dir / "metrics.jsonl"
+        kept = []
+        if resume_step is not None and jsonl.exists():
+            # The resumed run evaluates at resume_step again: drop that validation row, keep the train row.
+            kept = [row for row in map(json.loads, jsonl.read_text().splitlines())
+                    if row["step"] < resume_step or row["step"] == resume_step and "valid_loss" not in row]
+        self._jsonl = open(jsonl, "w")
+        self._tb = SummaryWriter(tensorboard_dir or str(self.dir / "tensorboard"), purge_step=resume_step)
         self._train: list[tuple[int, float]] = []
         self._valid: list[tuple[int, float]] = []
+        for row in kept:
+            self._record(row.pop("step"), row, tensorboard=False)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         """Record ``values`` at ``step``; keys ``loss`` and ``valid_loss`` also feed the PNG."""
+        self._record(step, values, tensorboard=True)
+
+    def _record(self, step: int, values: dict[str, float], tensorboard: bool) -> None:
         self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self._jsonl.flush()
-        for key, value in values.items():
-            self._tb.add_scalar(key, value, step)
+        if tensorboard:
+            for key, value in values.items():
+                self._tb.add_scalar(key, value, step)
         if "loss" in values:
             self._train.append((step, values["loss"]))
         if "valid_loss" in values:

@@ -9,6 +9,10 @@ its own rows of each global batch, experts are split over ``expert_model_paralle
 model is wrapped with FSDP2 (``use_torch_fsdp2``) or DDP, both summing gradients (dense over DP, experts
 over expert-DP). The model starts from the single-process initialisation (same seed, experts sliced), so a
 run's losses are comparable across layouts; rank 0 logs.
+
+Resuming (``load``): batches are a function of ``(seed, step)`` and the checkpoint restores the model,
+AdamW, the LR schedule, the step and the RNG states, so N steps, save, load and N more give the losses of 2N
+steps straight (``exit_interval`` stops the first half without shortening the schedule).
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from moe_core.training.metrics import MetricsWriter
 from moe_core.training.schedule import build_scheduler
 from moe_core.training.tokenizer import build_tokenizer
 
-# Dense bf16 tensor-core peaks (TFLOP/s) for MFU, by device-name substring.
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+# Dense bf16 tensor-core peaks (TFLOP/s, vendor datasheets) for MFU, by device-name substring, first match
+# wins: the PCIe H100 before the SXM one.
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
 _VALID_SEED_OFFSET = 1_000_003
 
 
@@ -113,7 +118,8 @@ def expert_load_stats(model: GPTModel) -> dict[str, float]:
 
 
 def router_losses(model: GPTModel) -> dict[str, float]:
-    """Each aux / z loss of the last forward, summed over MoE layers (raw values without their coefficients; 1.0 is a balanced router)."""
+    """Each aux / z loss of the last forward, summed over MoE layers (raw values without their coefficients;
+    a balanced router's aux_loss is 1.0 per layer)."""
     totals: dict[str, float] = {}
     for layer in model.moe_layers():
         for key, value in layer.router.aux_losses.items():
@@ -168,7 +174,13 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
         f"corpus: {len(streams['train']):,} train / {len(streams['valid']):,} valid {tokenizer.unit}s")
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters)
-    start_step = load_checkpoint(cfg.load, model, optimizer, scheduler, pg) if cfg.load else 0
+    start_step = load_checkpoint(cfg.load, model, optimizer, scheduler, pg, seed=cfg.seed) if cfg.load else 0
+    if start_step > cfg.train_iters:
+        raise ValueError(f"train_iters ({cfg.train_iters}) is below the step of the checkpoint in {cfg.load} "
+                         f"({start_step})")
+    end_step = cfg.train_iters
+    if cfg.exit_interval:
+        end_step = min(end_step, (start_step // cfg.exit_interval + 1) * cfg.exit_interval)
 
     def autocast():
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.bf16 and device.type == "cuda")
@@ -180,7 +192,8 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
     for layer in model.moe_layers():
         # Gradients are summed over micro-batches and DP ranks: the aux loss averages over all of them.
         layer.router.aux_loss_scale = 1.0 / (num_micro * dp_size)
-    writer = MetricsWriter(cfg.output_dir) if is_logger else _NoWriter()
+    writer = (MetricsWriter(cfg.output_dir, cfg.tensorboard_dir, resume_step=start_step if cfg.load else None)
+              if is_logger else _NoWriter())
     t_start = time.perf_counter()
     start_valid = evaluate(model, streams["valid"], cfg, seq, device, autocast, pg)
     writer.log(start_step, {"valid_loss": start_valid})
@@ -189,7 +202,7 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
     train_losses = []
     model.train()
     t_log, steps_since_log = time.perf_counter(), 0
-    bar = tqdm(range(start_step, cfg.train_iters), desc="pretrain", unit="step", dynamic_ncols=True, mininterval=2.0,
+    bar = tqdm(range(start_step, end_step), desc="pretrain", unit="step", dynamic_ncols=True, mininterval=2.0,
                disable=not is_logger)
     for step in bar:
         inputs, labels = sample_batch(streams["train"], global_batch, seq, cfg.seed, step)
@@ -217,9 +230,10 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
         train_losses.append(loss_value)
         steps_since_log += 1
         done = step + 1
-        if done % cfg.log_interval == 0 or done == cfg.train_iters:
+        if done % cfg.log_interval == 0 or done == end_step:
             elapsed = time.perf_counter() - t_log
             tokens_per_second = steps_since_log * tokens_per_step / elapsed
+            # "lr": the rate the next step will use (what Megatron logs), min_lr after the last step.
             metrics = {"loss": loss_value, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
                        "tokens_per_second": tokens_per_second, **router_losses(model), **expert_load_stats(model)}
             utilisation = mfu(whole.flops_per_token(), tokens_per_second / dp_size, device)
@@ -228,19 +242,22 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
             writer.log(done, metrics)
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_second:,.0f}")
             t_log, steps_since_log = time.perf_counter(), 0
-        if cfg.eval_interval and done % cfg.eval_interval == 0 and done != cfg.train_iters:
+        t_pause = time.perf_counter()
+        if cfg.eval_interval and done % cfg.eval_interval == 0 and done != end_step:
             writer.log(done, {"valid_loss": evaluate(model, streams["valid"], cfg, seq, device, autocast, pg)})
-        if cfg.save and cfg.save_interval and done % cfg.save_interval == 0:
-            save_checkpoint(cfg.save, model, optimizer, scheduler, done, pg)
+        if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != end_step:
+            save_checkpoint(cfg.save, model, optimizer, scheduler, done, pg, seed=cfg.seed)
+        t_log += time.perf_counter() - t_pause  # tokens/s counts training time only
     bar.close()
     end_valid = evaluate(model, streams["valid"], cfg, seq, device, autocast, pg)
-    writer.log(cfg.train_iters, {"valid_loss": end_valid})
+    writer.log(end_step, {"valid_loss": end_valid})
     if cfg.save:
-        save_checkpoint(cfg.save, model, optimizer, scheduler, cfg.train_iters, pg)
+        save_checkpoint(cfg.save, model, optimizer, scheduler, end_step, pg, seed=cfg.seed)
     png = writer.close(f"{model_config.num_layers} layers, hidden {model_config.hidden_size}")
     seconds = time.perf_counter() - t_start
-    log(f"validation loss: start {start_valid:.3f}, end {end_valid:.3f} (nats per {tokenizer.unit}); "
-        f"{cfg.train_iters - start_step} steps in {seconds:.0f} s; metrics and {png and png.name} in {cfg.output_dir}")
+    log(f"validation loss: start {start_valid:.3f}, end {end_valid:.3f} nats per {tokenizer.unit}")
+    log(f"steps {start_step}..{end_step} of {cfg.train_iters} in {seconds:.0f} s; metrics and {png and png.name} "
+        f"in {cfg.output_dir}")
     return RunSummary(start_valid, end_valid, train_losses, seconds)
 
 
