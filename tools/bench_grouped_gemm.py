@@ -7,8 +7,10 @@ providers (so drift hits them alike); the spread between rounds is reported as t
 over enough copies to exceed L2. TFLOP/s count 2 T K N per pass (6 T K N for forward+backward). The dense
 provider multiplies the same total rows by one weight: the ceiling a grouped kernel can hope for.
 
-Usage: python3 tools/bench_grouped_gemm.py [--quick] [--tiles] [--json out.json]
-(--tiles also times moe_core with each sm_90a tile forced through MOE_CORE_GEMM_TILE, to tune the heuristics.)
+Usage: python3 tools/bench_grouped_gemm.py [--quick] [--sweep] [--json out.json]
+(--sweep instead times moe_core alone under every sm_90a schedule forced through MOE_CORE_GEMM_TILE,
+MOE_CORE_GEMM_RASTER and MOE_CORE_GEMM_SWIZZLE, and prints the best per shape and pass: the heuristics'
+tuning data.)
 """
 
 from __future__ import annotations
@@ -136,10 +138,18 @@ def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int]):
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "fwd+bwd": both}
 
 
-SM90_TILES = ("128x256", "128x128", "128x256c21", "128x128pp")
+SM90_TILES = ("128x256", "128x128", "128x256c21", "128x128pp", "256x128c21")
+SWEEP = [dict(MOE_CORE_GEMM_TILE=tile, MOE_CORE_GEMM_RASTER=raster, MOE_CORE_GEMM_SWIZZLE=str(swizzle))
+         for tile in SM90_TILES for raster in "mn" for swizzle in (1, 2, 4)]
 
 
-def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, tiles: bool = False) -> dict:
+def schedule_name(env: dict | None) -> str:
+    if env is None:
+        return "default"
+    return f"{env['MOE_CORE_GEMM_TILE']}/{env['MOE_CORE_GEMM_RASTER']}/{env['MOE_CORE_GEMM_SWIZZLE']}"
+
+
+def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = False) -> dict:
     k, n, e, t = spec["k"], spec["n"], spec["e"], spec["t"]
     counts = make_counts(e, t, spec["skew"], gen)
     bytes_per_copy = 2 * (t * k + e * k * n + t * n)
@@ -148,17 +158,17 @@ def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, tiles: bool = 
                torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(k),
                torch.randn(t, n, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
     counts_gpu = counts.cuda()
-    # (provider, forced sm_90a tile or None): the tile sweep times moe_core once per MOE_CORE_GEMM_TILE value.
-    configs = [(p, None) for p in PROVIDERS] + [("moe_core", tile) for tile in (SM90_TILES if tiles else ())]
-    rounds: dict = {}  # (provider, tile, pass) -> [median of each round]
+    # (provider, forced sm_90a schedule or None): the sweep times moe_core once per schedule.
+    configs = [("moe_core", None)] + [("moe_core", env) for env in SWEEP] if sweep else [(p, None) for p in PROVIDERS]
+    passes = PASSES[:3] if sweep else PASSES
+    rounds: dict = {}  # (provider, schedule, pass) -> [median of each round]
     failed = set()
     for _ in range(timing.rounds):
-        for provider, tile in configs:
-            if tile is not None:
-                os.environ["MOE_CORE_GEMM_TILE"] = tile
+        for provider, env in configs:
+            os.environ.update(env or {})
             fns = pass_fns(provider, counts_gpu, counts.tolist())
-            for name in PASSES:
-                key = (provider, tile, name)
+            for name in passes:
+                key = (provider, schedule_name(env), name)
                 if key in failed:
                     continue
                 try:
@@ -166,20 +176,32 @@ def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, tiles: bool = 
                 except RuntimeError as err:  # e.g. torch._grouped_mm unsupported on this GPU or shape
                     print(f"  {provider} {name}: {str(err).splitlines()[0]}", file=sys.stderr)
                     failed.add(key)
-            os.environ.pop("MOE_CORE_GEMM_TILE", None)
+            for var in env or {}:
+                os.environ.pop(var)
     result = dict(spec, empty_experts=int((counts == 0).sum()), ms={}, tflops={}, round_spread={})
-    for (provider, tile, name), medians in rounds.items():
+    for (provider, schedule, name), medians in rounds.items():
         ms = statistics.median(medians)
         tflops = (6 if name == "fwd+bwd" else 2) * t * k * n / ms / 1e9
-        if tile is None:
+        if schedule == "default":
             result["ms"].setdefault(provider, {})[name] = ms
             result["tflops"].setdefault(provider, {})[name] = tflops
             result["round_spread"].setdefault(provider, {})[name] = max(medians) / min(medians) - 1
         else:
-            result.setdefault("tile_tflops", {}).setdefault(tile, {})[name] = tflops
+            result.setdefault("schedule_tflops", {}).setdefault(schedule, {})[name] = tflops
     del inputs
     torch.cuda.empty_cache()
     return result
+
+
+def print_sweep(results: list[dict]) -> None:
+    """Per shape and pass: the default schedule, the best forced one and the top three."""
+    print(f"{'shape':40s} {'pass':6s} {'default':>8s} {'best':>8s}  top three (tile/raster/swizzle TFLOP/s)")
+    for r in results:
+        for name in PASSES[:3]:
+            ranked = sorted(((tf[name], sched) for sched, tf in r["schedule_tflops"].items() if name in tf),
+                            reverse=True)
+            top = ", ".join(f"{sched} {tf:.0f}" for tf, sched in ranked[:3])
+            print(f"{r['name']:40s} {name:6s} {r['tflops']['moe_core'][name]:8.1f} {ranked[0][0]:8.1f}  {top}")
 
 
 def device_ceilings() -> dict:
@@ -195,13 +217,36 @@ def device_ceilings() -> dict:
 
 
 def empty_call_latency_us() -> dict:
-    """Latency of an all-empty call (T == 0, 128 experts, Qwen fc1 weights): forward and the three passes."""
+    """An all-empty call (T == 0, 128 experts, Qwen3 fc1 weights), forward and forward+backward, per provider:
+    ``eager``, microseconds per call of back-to-back calls from Python (host-bound: launch cost included, what
+    an eager training step pays); ``graph``, the GPU time per call of the same calls replayed from a CUDA graph."""
     x = torch.empty(0, 2048, device="cuda", dtype=torch.bfloat16)
     dy = torch.empty(0, 1536, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 2048, 1536, device="cuda", dtype=torch.bfloat16)
     counts = torch.zeros(128, dtype=torch.int64, device="cuda")
-    fns = pass_fns("moe_core", counts, [0] * 128)
-    return {name: 1e3 * time_ms(fns[name], [(x, w, dy)], FULL) for name in ("fwd", "fwd+bwd")}
+    calls_per_graph = 20
+    out: dict = {}
+    for provider in ("moe_core", "torch._grouped_mm"):
+        fns = pass_fns(provider, counts, [0] * 128)
+        for name in ("fwd", "fwd+bwd"):
+            fn = fns[name]
+            try:
+                eager = 1e3 * time_ms(fn, [(x, w, dy)], FULL)
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    fn(x, w, dy)  # allocations and one-time setup happen outside the capture
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(calls_per_graph):
+                        fn(x, w, dy)
+                graph_us = 1e3 * time_ms(lambda: graph.replay(), [()], FULL) / calls_per_graph
+            except RuntimeError as err:
+                print(f"  all-empty {provider} {name}: {str(err).splitlines()[0]}", file=sys.stderr)
+                continue
+            out.setdefault(provider, {})[name] = dict(eager=eager, graph=graph_us)
+    return out
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -232,36 +277,39 @@ def print_table(results: list[dict]) -> dict:
     if spreads:
         print(f"noise: largest spread between rounds of one provider and pass {100 * max(spreads):.1f}%, "
               f"median {100 * statistics.median(spreads):.1f}%")
-    if any("tile_tflops" in r for r in results):
-        print(f"{'forced tile (TFLOP/s)':40s} {'tile':10s} " + " ".join(f"{p:>8s}" for p in PASSES))
-        for r in results:
-            for tile in SM90_TILES:
-                print(f"{r['name']:40s} {tile:10s} " + " ".join(f"{fmt(r['tile_tflops'][tile][p], '8.1f')}"
-                                                             for p in PASSES))
     return geomeans
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
-    parser.add_argument("--tiles", action="store_true", help="also time each sm_90a tile forced")
+    parser.add_argument("--sweep", action="store_true", help="time moe_core under every sm_90a schedule")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_grouped_gemm: needs a CUDA device")
-    timing = QUICK if args.quick else FULL
+    timing = QUICK if args.quick or args.sweep else FULL
     torch.manual_seed(0)  # the Dirichlet draws
     gen = torch.Generator().manual_seed(0)
     results = []
     for spec in shapes(args.quick):
-        results.append(bench_shape(spec, timing, gen, args.tiles))
+        results.append(bench_shape(spec, timing, gen, args.sweep))
         print(f"done {spec['name']}", file=sys.stderr, flush=True)
+    if args.sweep:
+        print_sweep(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results), f,
+                          indent=1)
+        return
     geomeans = print_table(results)
     ceilings = device_ceilings()
     print(f"ceilings: HBM copy {ceilings['hbm_gb_s']:.0f} GB/s, "
           f"dense bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s")
     latency = empty_call_latency_us()
-    print(f"all-empty call (T=0, E=128, 2048->1536): fwd {latency['fwd']:.1f} us, fwd+bwd {latency['fwd+bwd']:.1f} us")
+    for provider, per_pass in latency.items():
+        print(f"all-empty call (T=0, E=128, 2048->1536), {provider}: " + ", ".join(
+            f"{name} {v['eager']:.1f} us eager / {v['graph']:.1f} us GPU in a CUDA graph" for name, v in per_pass.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results,

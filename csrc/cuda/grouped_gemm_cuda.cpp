@@ -1,7 +1,7 @@
 // CUDA implementations of the three grouped GEMM ops (schemas in csrc/ops.cpp, CPU twins in
-// csrc/grouped_gemm_cpu.cpp). tokens_per_expert is never read on the host: a one-block kernel turns it into
-// device-side row/tile offsets that the GEMM kernels read, so each op is a fixed sequence of launches whatever
-// the counts (T == 0 and all-empty included) and capturable in a CUDA graph.
+// csrc/grouped_gemm_cpu.cpp). tokens_per_expert is never read on the host: device kernels turn it into the
+// row ranges the GEMM kernels read, so each op is a fixed sequence of launches whatever the counts (T == 0
+// and all-empty included) and capturable in a CUDA graph.
 //
 // Two back ends: on Hopper, bf16/fp16 with 16-byte aligned operands and widths take CUTLASS's sm_90a
 // pointer-array kernels (grouped_gemm_sm90.h); everything else (other GPUs, fp32/fp64, odd widths) takes the
@@ -98,10 +98,21 @@ bool use_sm90(const at::Tensor& x, std::initializer_list<int64_t> vector_dims,
   return reason == nullptr;
 }
 
+// A Problem for the sm_90a kernels with the device-side counts that split num_rows rows.
+cuda::sm90::Problem sm90_problem(cuda::sm90::Op op, const at::Tensor& counts, int64_t num_rows) {
+  cuda::sm90::Problem p;
+  p.op = op;
+  p.num_experts = counts.numel();
+  p.num_rows = num_rows;
+  p.counts = counts.data_ptr();
+  p.counts_int32 = counts.scalar_type() == at::kInt;
+  return p;
+}
+
 void launch_sm90(cuda::sm90::Problem p, const at::Tensor& like, cudaStream_t stream) {
   p.dtype = like.scalar_type() == at::kBFloat16 ? cuda::sm90::Dtype::kBf16 : cuda::sm90::Dtype::kFp16;
   const int sm_count = device_attribute(cudaDevAttrMultiProcessorCount, like.device());
-  p.tile = cuda::sm90::pick_tile(p, sm_count);
+  p.schedule = cuda::sm90::pick_schedule(p, sm_count);
   const auto workspace = at::empty({static_cast<int64_t>(cuda::sm90::workspace_bytes(p, sm_count))},
                                    like.options().dtype(at::kByte));
   cuda::sm90::launch(p, workspace.data_ptr(), sm_count, stream);
@@ -122,23 +133,20 @@ at::Tensor grouped_gemm_cuda(const at::Tensor& x, const at::Tensor& weight, cons
   if (n == 0) return out;  // a shape (no column tiles), not the counts
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto counts = counts_on(tokens_per_expert, x.device());
-  const auto offsets = device_offsets(counts, x.size(0), cuda::forward_tile_rows(x.scalar_type()), stream);
   // K == 0 stays portable: CUTLASS leaves the accumulators of a zero-length reduction unwritten.
   if (k > 0 && use_sm90(x, {k, n}, {xc.data_ptr(), wc.data_ptr(), out.data_ptr()}, weight.size(0), "grouped_gemm")) {
-    cuda::sm90::Problem p;
-    p.op = trans_weight ? cuda::sm90::Op::kForwardNK : cuda::sm90::Op::kForwardKN;
+    auto p = sm90_problem(trans_weight ? cuda::sm90::Op::kForwardNK : cuda::sm90::Op::kForwardKN, counts, x.size(0));
     p.a = xc.data_ptr();
     p.b = wc.data_ptr();
     p.d = out.data_ptr();
     p.m = x.size(0);
     p.n = n;
     p.k = k;
-    p.num_experts = weight.size(0);
-    p.row_offsets = offsets.data_ptr<int64_t>();
     launch_sm90(p, x, stream);
     return out;
   }
 
+  const auto offsets = device_offsets(counts, x.size(0), cuda::forward_tile_rows(x.scalar_type()), stream);
   GroupedGemmArgs args;
   args.a = xc.data_ptr();
   args.b = wc.data_ptr();
@@ -159,11 +167,26 @@ at::Tensor grouped_gemm_cuda(const at::Tensor& x, const at::Tensor& weight, cons
   return out;
 }
 
-// dw[e] = x_e^T dy_e ([K, N]) or dy_e^T x_e ([N, K]): the left operand is read column-major from its rows.
-GroupedGemmArgs wgrad_args(const at::Tensor& xc, const at::Tensor& dyc, bool trans_weight,
-                           const at::Tensor& offsets, void* out) {
+// dw[e] = x_e^T dy_e ([K, N]) or dy_e^T x_e ([N, K]): `left`'s columns become dw[e]'s rows, `right`'s its
+// columns; both are read from each expert's rows. Picks the back end and launches; `kind` accumulates or not.
+void launch_wgrad(const at::Tensor& xc, const at::Tensor& dyc, bool trans_weight, const at::Tensor& tokens_per_expert,
+                  void* out, GemmKind kind, const char* op) {
   const auto& left = trans_weight ? dyc : xc;
   const auto& right = trans_weight ? xc : dyc;
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto counts = counts_on(tokens_per_expert, xc.device());
+  const int64_t num_experts = counts.numel();
+  if (use_sm90(xc, {left.size(1), right.size(1)}, {left.data_ptr(), right.data_ptr(), out}, num_experts, op)) {
+    auto p = sm90_problem(kind == GemmKind::kWgradAccum ? cuda::sm90::Op::kWgradAccum : cuda::sm90::Op::kWgrad,
+                          counts, xc.size(0));
+    p.a = left.data_ptr();
+    p.b = right.data_ptr();
+    p.d = out;
+    p.m = left.size(1);
+    p.n = right.size(1);
+    return launch_sm90(p, xc, stream);
+  }
+  const auto offsets = device_offsets(counts, xc.size(0), 1, stream);
   GroupedGemmArgs args;
   args.a = left.data_ptr();
   args.b = right.data_ptr();
@@ -172,25 +195,11 @@ GroupedGemmArgs wgrad_args(const at::Tensor& xc, const at::Tensor& dyc, bool tra
   args.ldb = right.size(1);
   args.m = left.size(1);
   args.n = right.size(1);
-  args.num_experts = offsets.numel() / 2 - 1;
+  args.num_experts = num_experts;
   args.row_offsets = offsets.data_ptr<int64_t>();
   args.vec_a = vector_ok(left, args.lda, 0);
   args.vec_b = vector_ok(right, args.ldb, 0);
-  return args;
-}
-
-// The same wgrad problem for the sm_90a kernels: d[e] [m, n] reduced over each expert's rows.
-cuda::sm90::Problem sm90_wgrad(const GroupedGemmArgs& args, cuda::sm90::Op op) {
-  cuda::sm90::Problem p;
-  p.op = op;
-  p.a = args.a;
-  p.b = args.b;
-  p.d = args.c;
-  p.m = args.m;
-  p.n = args.n;
-  p.num_experts = args.num_experts;
-  p.row_offsets = args.row_offsets;
-  return p;
+  cuda::launch_grouped_gemm(xc.scalar_type(), kind, args, stream);
 }
 
 at::Tensor grouped_gemm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& tokens_per_expert,
@@ -201,16 +210,8 @@ at::Tensor grouped_gemm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, co
   const int64_t num_experts = tokens_per_expert.size(0), k = x.size(1), n = dy.size(1);
   auto dw = trans_weight ? at::empty({num_experts, n, k}, x.options()) : at::empty({num_experts, k, n}, x.options());
   if (dw.numel() == 0) return dw;  // shapes only: no expert or an empty weight
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const auto xc = x.contiguous();
-  const auto dyc = dy.contiguous();
-  const auto offsets = device_offsets(counts_on(tokens_per_expert, x.device()), x.size(0), 1, stream);
-  const auto args = wgrad_args(xc, dyc, trans_weight, offsets, dw.data_ptr());
-  if (use_sm90(x, {k, n}, {xc.data_ptr(), dyc.data_ptr(), dw.data_ptr()}, num_experts, "grouped_gemm_wgrad")) {
-    launch_sm90(sm90_wgrad(args, cuda::sm90::Op::kWgrad), x, stream);
-  } else {
-    cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgrad, args, stream);
-  }
+  launch_wgrad(x.contiguous(), dy.contiguous(), trans_weight, tokens_per_expert, dw.data_ptr(), GemmKind::kWgrad,
+               "grouped_gemm_wgrad");
   return dw;
 }
 
@@ -228,17 +229,8 @@ void grouped_gemm_wgrad_accum_cuda(at::Tensor& main_grad, const at::Tensor& x, c
   TORCH_CHECK(main_grad.is_contiguous(), "main_grad: expected a contiguous tensor");
   if (main_grad.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const auto xc = x.contiguous();
-  const auto dyc = dy.contiguous();
-  const auto offsets = device_offsets(counts_on(tokens_per_expert, x.device()), x.size(0), 1, stream);
-  const auto args = wgrad_args(xc, dyc, trans_weight, offsets, main_grad.data_ptr());
-  if (use_sm90(x, {k, n}, {xc.data_ptr(), dyc.data_ptr(), main_grad.data_ptr()}, num_experts,
-               "grouped_gemm_wgrad_accum_")) {
-    launch_sm90(sm90_wgrad(args, cuda::sm90::Op::kWgradAccum), x, stream);
-  } else {
-    cuda::launch_grouped_gemm(x.scalar_type(), GemmKind::kWgradAccum, args, stream);
-  }
+  launch_wgrad(x.contiguous(), dy.contiguous(), trans_weight, tokens_per_expert, main_grad.data_ptr(),
+               GemmKind::kWgradAccum, "grouped_gemm_wgrad_accum_");
 }
 
 }  // namespace

@@ -16,6 +16,7 @@ const char* name(Tile t) {
     case Tile::k128x128: return "128x128x64 cooperative cluster 1x1";
     case Tile::k128x256_2x1: return "128x256x64 cooperative cluster 2x1";
     case Tile::k128x128_pingpong: return "128x128x64 pingpong cluster 1x2";
+    case Tile::k256x128_2x1: return "256x128x64 cooperative cluster 2x1";
   }
   return "?";
 }
@@ -57,12 +58,14 @@ constexpr bool candidates_built(Dtype d, Op op) { return d == Dtype::kBf16 && op
 template <Dtype D, Op O>
 void dispatch_tile(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, size_t* bytes) {
   if constexpr (candidates_built(D, O)) {
-    if (p.tile == Tile::k128x256_2x1) return run<D, O, Tile::k128x256_2x1>(p, workspace, sm_count, stream, bytes);
-    if (p.tile == Tile::k128x128_pingpong) {
-      return run<D, O, Tile::k128x128_pingpong>(p, workspace, sm_count, stream, bytes);
+    switch (p.schedule.tile) {
+      case Tile::k128x256_2x1: return run<D, O, Tile::k128x256_2x1>(p, workspace, sm_count, stream, bytes);
+      case Tile::k128x128_pingpong: return run<D, O, Tile::k128x128_pingpong>(p, workspace, sm_count, stream, bytes);
+      case Tile::k256x128_2x1: return run<D, O, Tile::k256x128_2x1>(p, workspace, sm_count, stream, bytes);
+      default: break;
     }
   }
-  if (p.tile == Tile::k128x128) return run<D, O, Tile::k128x128>(p, workspace, sm_count, stream, bytes);
+  if (p.schedule.tile == Tile::k128x128) return run<D, O, Tile::k128x128>(p, workspace, sm_count, stream, bytes);
   run<D, O, Tile::k128x256>(p, workspace, sm_count, stream, bytes);
 }
 
@@ -96,7 +99,7 @@ bool compiled() {
 #endif
 }
 
-Tile pick_tile(const Problem& p, int sm_count) {
+Schedule pick_schedule(const Problem& p, int sm_count) {
   const bool candidates = candidates_built(p.dtype, p.op);
   const bool forward = p.op == Op::kForwardKN || p.op == Op::kForwardNK;
   // The 2x1 cluster multicasts the 256-wide B tile to two row tiles (64 KiB of L2 reads per pair and k-step
@@ -106,20 +109,36 @@ Tile pick_tile(const Problem& p, int sm_count) {
   // 556 narrow); below two waves of wide tiles the narrow tile balances the SMs better.
   const bool even_pairs = ceil_div(p.n, 256) % 2 == 0;
   const bool many_tiles = tiles(p, 128, 256) >= 2 * sm_count;
-  Tile tile = even_pairs && many_tiles ? Tile::k128x256 : Tile::k128x128;
-  if (candidates && forward && many_tiles && p.m >= 512 * p.num_experts) tile = Tile::k128x256_2x1;
+  Schedule s;
+  s.tile = even_pairs && many_tiles ? Tile::k128x256 : Tile::k128x128;
+  // Wgrad rows are weight rows (m = K or N of the weight), whole 256-row pairs in every model shape; the 2x1
+  // cluster led 128x256 by about 1% (geomean over the benchmark's shapes, H100 sweep of 2026-11-22).
+  const bool wide_groups = forward ? p.m >= 512 * p.num_experts : ceil_div(p.m, 128) % 2 == 0;
+  if (candidates && many_tiles && wide_groups) s.tile = Tile::k128x256_2x1;
+  // Walking along M keeps a B tile (a weight slice) hot while the group's rows stream past it, but re-reads
+  // the group's A rows for every column of tiles: right while A_e (T/E rows of K) is smaller than B_e (K x N),
+  // as in every benchmark shape. Past that (few experts, many rows each: T/E > N) A_e outgrows L2 and the
+  // walk along N, which keeps a row block hot instead, reads each operand about once.
+  s.along_n = forward && p.m > p.n * p.num_experts;
   if (const char* forced = std::getenv("MOE_CORE_GEMM_TILE")) {
-    if (std::strcmp(forced, "128x256") == 0) tile = Tile::k128x256;
-    else if (std::strcmp(forced, "128x128") == 0) tile = Tile::k128x128;
-    else if (std::strcmp(forced, "128x256c21") == 0) tile = candidates ? Tile::k128x256_2x1 : Tile::k128x256;
-    else if (std::strcmp(forced, "128x128pp") == 0) tile = candidates ? Tile::k128x128_pingpong : Tile::k128x128;
+    if (std::strcmp(forced, "128x256") == 0) s.tile = Tile::k128x256;
+    else if (std::strcmp(forced, "128x128") == 0) s.tile = Tile::k128x128;
+    else if (std::strcmp(forced, "128x256c21") == 0) s.tile = candidates ? Tile::k128x256_2x1 : Tile::k128x256;
+    else if (std::strcmp(forced, "128x128pp") == 0) s.tile = candidates ? Tile::k128x128_pingpong : Tile::k128x128;
+    else if (std::strcmp(forced, "256x128c21") == 0) s.tile = candidates ? Tile::k256x128_2x1 : Tile::k128x256;
+  }
+  if (const char* forced = std::getenv("MOE_CORE_GEMM_RASTER")) s.along_n = std::strcmp(forced, "n") == 0;
+  if (const char* forced = std::getenv("MOE_CORE_GEMM_SWIZZLE")) {
+    const int swizzle = std::atoi(forced);
+    if (swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8) s.swizzle = swizzle;
   }
   if (debug()) {
-    std::fprintf(stderr, "[moe_core] grouped_gemm sm90 %s: E=%lld m=%lld n=%lld k=%lld -> tile %s\n", name(p.op),
-                 static_cast<long long>(p.num_experts), static_cast<long long>(p.m), static_cast<long long>(p.n),
-                 static_cast<long long>(p.k), name(tile));
+    std::fprintf(stderr, "[moe_core] grouped_gemm sm90 %s: E=%lld m=%lld n=%lld k=%lld -> tile %s, raster along %s, "
+                 "swizzle %d\n", name(p.op), static_cast<long long>(p.num_experts), static_cast<long long>(p.m),
+                 static_cast<long long>(p.n), static_cast<long long>(p.k), name(s.tile), s.along_n ? "N" : "M",
+                 s.swizzle);
   }
-  return tile;
+  return s;
 }
 
 size_t workspace_bytes(const Problem& p, int sm_count) {

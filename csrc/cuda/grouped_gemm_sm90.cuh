@@ -11,12 +11,14 @@
 #else
 
 #include <c10/cuda/CUDAException.h>
+#include <cub/block/block_reduce.cuh>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <array>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -60,6 +62,10 @@ template <> struct TileOf<Tile::k128x128_pingpong> : Pingpong {
   using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
   using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
 };
+template <> struct TileOf<Tile::k256x128_2x1> : Cooperative {
+  using Shape = cute::Shape<cute::_256, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+};
 
 // Layouts in CUTLASS's (M, N, K) terms. Forward: A = x_e [M_e, K] K-contiguous; B = w_e, N-contiguous ([K, N])
 // or K-contiguous ([N, K]); D = y_e [M_e, N]. Wgrad: A = a_e^T with a_e [T_e, m] read M-contiguous,
@@ -72,6 +78,8 @@ template <Op O> struct LayoutsOf {
 
 template <Dtype D, Op O, Tile T>
 struct Config {
+  static constexpr Op kOp = O;
+  static constexpr bool kForward = O == Op::kForwardKN || O == Op::kForwardNK;
   static constexpr bool kAccum = O == Op::kWgradAccum;
   using Element = typename ElementOf<D>::type;
   using ElementD = std::conditional_t<kAccum, float, Element>;
@@ -106,7 +114,8 @@ struct Config {
   using PtrC = std::conditional_t<kAccum, const float*, const void*>;
 };
 
-// The per-group arrays CUTLASS reads, carved out of one workspace ahead of CUTLASS's own.
+// The per-group arrays CUTLASS reads, carved out of one workspace ahead of CUTLASS's own; for wgrad also
+// `zeros`, one row of each operand (m + n elements) that empty experts' groups read.
 template <class C>
 struct GroupArrays {
   typename C::Shape* shapes = nullptr;
@@ -118,20 +127,27 @@ struct GroupArrays {
   typename C::StrideB* stride_b = nullptr;
   typename C::StrideC* stride_c = nullptr;
   typename C::StrideD* stride_d = nullptr;
+  typename C::Element* zeros = nullptr;
   void* cutlass_workspace = nullptr;
 
   static constexpr size_t kAlign = 256;
   static size_t round_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
-  static size_t bytes_per_group_arrays(int64_t e) {
+  static size_t zeros_bytes(const Problem& p) {
+    return C::kOp == Op::kWgrad ? (p.m + p.n) * sizeof(typename C::Element) : 0;
+  }
+  static size_t bytes(const Problem& p) {
+    const int64_t e = p.num_experts;
     return round_up(e * sizeof(typename C::Shape)) + 4 * round_up(e * sizeof(void*)) +
            round_up(e * sizeof(typename C::StrideA)) + round_up(e * sizeof(typename C::StrideB)) +
-           round_up(e * sizeof(typename C::StrideC)) + round_up(e * sizeof(typename C::StrideD));
+           round_up(e * sizeof(typename C::StrideC)) + round_up(e * sizeof(typename C::StrideD)) +
+           round_up(zeros_bytes(p));
   }
 
   GroupArrays() = default;  // unplaced: enough for CUTLASS's workspace query, which reads no pointer
-  GroupArrays(void* workspace, int64_t e) {
-    auto* p = static_cast<char*>(workspace);
-    auto take = [&](size_t bytes) { char* q = p; p += round_up(bytes); return q; };
+  GroupArrays(void* workspace, const Problem& p) {
+    const int64_t e = p.num_experts;
+    auto* next = static_cast<char*>(workspace);
+    auto take = [&](size_t bytes) { char* q = next; next += round_up(bytes); return q; };
     shapes = reinterpret_cast<typename C::Shape*>(take(e * sizeof(typename C::Shape)));
     a = reinterpret_cast<const typename C::Element**>(take(e * sizeof(void*)));
     b = reinterpret_cast<const typename C::Element**>(take(e * sizeof(void*)));
@@ -141,7 +157,8 @@ struct GroupArrays {
     stride_b = reinterpret_cast<typename C::StrideB*>(take(e * sizeof(typename C::StrideB)));
     stride_c = reinterpret_cast<typename C::StrideC*>(take(e * sizeof(typename C::StrideC)));
     stride_d = reinterpret_cast<typename C::StrideD*>(take(e * sizeof(typename C::StrideD)));
-    cutlass_workspace = p;
+    zeros = reinterpret_cast<typename C::Element*>(take(zeros_bytes(p)));
+    cutlass_workspace = next;
   }
 };
 
@@ -157,61 +174,84 @@ __device__ __forceinline__ Stride leading_stride(int64_t ld) {
 
 constexpr int kPrepareThreads = 256;
 
-// Grid (1 + zero_blocks, E). Column 0: thread 0 of block (0, e) writes group e's problem shape, pointers and
-// strides. Other columns zero-fill what no GEMM tile will write: forward, the rows past the counts' sum
-// (only when bad counts leave a tail; expert 0's blocks do it); wgrad, the whole d[e] of an empty expert, whose
-// GEMM group is given M = 0 (CUTLASS leaves the accumulators of a zero-length reduction uninitialized).
-template <class C, Op O>
-__global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C> g, Problem p) {
-  using Element = typename C::Element;
-  const int64_t e = blockIdx.y;
-  const int64_t r0 = p.row_offsets[e], r1 = p.row_offsets[e + 1];
-  const auto* a = static_cast<const Element*>(p.a);
-  const auto* b = static_cast<const Element*>(p.b);
-  auto* d = static_cast<typename C::ElementD*>(p.d);
-  constexpr bool kForward = O == Op::kForwardKN || O == Op::kForwardNK;
-  if (blockIdx.x == 0) {
-    if (threadIdx.x != 0) return;
-    if constexpr (kForward) {
-      g.shapes[e] = {static_cast<int>(r1 - r0), static_cast<int>(p.n), static_cast<int>(p.k)};
-      g.a[e] = a + r0 * p.k;
-      g.b[e] = b + e * p.k * p.n;
-      g.d[e] = d + r0 * p.n;
-      g.stride_a[e] = leading_stride<typename C::StrideA>(p.k);
-      g.stride_b[e] = leading_stride<typename C::StrideB>(O == Op::kForwardKN ? p.n : p.k);
-    } else {
-      // Empty expert: no tiles (M = 0); its zeros come from the fill below.
-      g.shapes[e] = {r1 > r0 ? static_cast<int>(p.m) : 0, static_cast<int>(p.n), static_cast<int>(r1 - r0)};
-      g.a[e] = a + r0 * p.m;
-      g.b[e] = b + r0 * p.n;
-      g.d[e] = d + e * p.m * p.n;
-      g.stride_a[e] = leading_stride<typename C::StrideA>(p.m);
-      g.stride_b[e] = leading_stride<typename C::StrideB>(p.n);
-    }
-    g.c[e] = reinterpret_cast<typename C::PtrC>(g.d[e]);
-    g.stride_c[e] = leading_stride<typename C::StrideC>(p.n);
-    g.stride_d[e] = leading_stride<typename C::StrideD>(p.n);
-    return;
+// The rows of experts [0, end): max(count, 0) summed, on every thread of the block.
+template <class CountT>
+__device__ int64_t rows_before(const CountT* counts, int64_t end) {
+  using Reduce = cub::BlockReduce<int64_t, kPrepareThreads>;
+  __shared__ typename Reduce::TempStorage temp;
+  __shared__ int64_t total;
+  int64_t partial = 0;
+  for (int64_t i = threadIdx.x; i < end; i += kPrepareThreads) {
+    partial += max(static_cast<int64_t>(counts[i]), int64_t{0});
   }
-  // Zero-fill in 16-byte stores: the host admits only n % 8 == 0 and 16-byte aligned bases.
-  int64_t begin = 0, end = 0;  // in 16-byte chunks of d
-  constexpr int64_t kPerChunk = 16 / sizeof(typename C::ElementD);
-  if constexpr (kForward) {
-    if (e != 0) return;
-    begin = p.row_offsets[p.num_experts] * p.n / kPerChunk;
-    end = p.m * p.n / kPerChunk;
-  } else if constexpr (O == Op::kWgrad) {
-    if (r1 > r0) return;
-    begin = e * p.m * p.n / kPerChunk;
-    end = (e + 1) * p.m * p.n / kPerChunk;
-  } else {
-    return;
-  }
-  auto* out = reinterpret_cast<uint4*>(d);
+  const int64_t sum = Reduce(temp).Sum(partial);
+  if (threadIdx.x == 0) total = sum;
+  __syncthreads();
+  return total;
+}
+
+// Zeros bytes [begin, end) of `base` (16-byte multiples) with the blocks of grid columns 1.. of one row.
+__device__ __forceinline__ void zero_fill(void* base, int64_t begin, int64_t end) {
+  auto* out = static_cast<uint4*>(base);
   const int64_t step = static_cast<int64_t>(gridDim.x - 1) * kPrepareThreads;
-  for (int64_t i = begin + (blockIdx.x - 1) * kPrepareThreads + threadIdx.x; i < end; i += step) {
+  for (int64_t i = begin / 16 + (blockIdx.x - 1) * kPrepareThreads + threadIdx.x; i < end / 16; i += step) {
     out[i] = make_uint4(0, 0, 0, 0);
   }
+}
+
+// Grid (1 + fill blocks, E); replaces a separate offsets scan, so an op is two launches. Column 0: block
+// (0, e) sums the counts before e and its thread 0 writes group e's problem shape, pointers and strides.
+// Columns 1.. write zeros that no GEMM tile covers. Forward (expert 0's row): the rows past the counts' sum
+// (bad counts only). Wgrad: the d[e] of an expert whose count is 0, streamed at store bandwidth; its group
+// gets M = 0 (CUTLASS leaves the accumulators of a zero-length reduction uninitialized: its first wgmma with
+// ScaleOut::Zero sits inside `if (k_tile_count > 0)`). An expert whose rows bad counts clamp away (count > 0,
+// no rows left) is found only by the prefix sum, which fill blocks skip: its group is instead a full [m, n]
+// product over one row of zeros (`g.zeros`, written by expert 0's fill blocks), so the epilogue writes its
+// zeros. Accumulating, an empty expert gets M = 0 and stays untouched.
+template <class C, class CountT>
+__global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C> g, Problem p) {
+  using Element = typename C::Element;
+  const auto* counts = static_cast<const CountT*>(p.counts);
+  const int64_t e = blockIdx.y;
+  auto* d = static_cast<typename C::ElementD*>(p.d);
+  if (blockIdx.x > 0) {
+    if constexpr (C::kForward) {
+      if (e != 0) return;
+      const int64_t rows = min(rows_before(counts, p.num_experts), p.num_rows);
+      zero_fill(d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element));
+    } else if constexpr (C::kOp == Op::kWgrad) {
+      if (e == 0) zero_fill(g.zeros, 0, (p.m + p.n) * sizeof(Element));
+      if (counts[e] > 0) return;
+      zero_fill(d, e * p.m * p.n * sizeof(Element), (e + 1) * p.m * p.n * sizeof(Element));
+    }
+    return;
+  }
+  const int64_t before = rows_before(counts, e);
+  if (threadIdx.x != 0) return;
+  const int64_t count = max(static_cast<int64_t>(counts[e]), int64_t{0});
+  const int64_t r0 = min(before, p.num_rows), r1 = min(before + count, p.num_rows);
+  const auto* a = static_cast<const Element*>(p.a);
+  const auto* b = static_cast<const Element*>(p.b);
+  if constexpr (C::kForward) {
+    g.shapes[e] = {static_cast<int>(r1 - r0), static_cast<int>(p.n), static_cast<int>(p.k)};
+    g.a[e] = a + r0 * p.k;
+    g.b[e] = b + e * p.k * p.n;
+    g.d[e] = d + r0 * p.n;
+    g.stride_a[e] = leading_stride<typename C::StrideA>(p.k);
+    g.stride_b[e] = leading_stride<typename C::StrideB>(C::kOp == Op::kForwardKN ? p.n : p.k);
+  } else {
+    const bool clamped_away = r1 == r0 && count > 0 && !C::kAccum;
+    g.shapes[e] = {r1 > r0 || clamped_away ? static_cast<int>(p.m) : 0, static_cast<int>(p.n),
+                   clamped_away ? 1 : static_cast<int>(r1 - r0)};
+    g.a[e] = clamped_away ? g.zeros : a + r0 * p.m;
+    g.b[e] = clamped_away ? g.zeros + p.m : b + r0 * p.n;
+    g.d[e] = d + e * p.m * p.n;
+    g.stride_a[e] = leading_stride<typename C::StrideA>(p.m);
+    g.stride_b[e] = leading_stride<typename C::StrideB>(p.n);
+  }
+  g.c[e] = reinterpret_cast<typename C::PtrC>(g.d[e]);
+  g.stride_c[e] = leading_stride<typename C::StrideC>(p.n);
+  g.stride_d[e] = leading_stride<typename C::StrideD>(p.n);
 }
 
 template <Dtype D, Op O, Tile T>
@@ -219,6 +259,7 @@ struct Runner {
   using C = Config<D, O, T>;
 
   static typename C::Gemm::Arguments arguments(const Problem& p, const GroupArrays<C>& g, int sm_count) {
+    using RasterOrder = typename C::Kernel::TileScheduler::RasterOrderOptions;
     cutlass::KernelHardwareInfo hw;
     hw.sm_count = sm_count;
     typename C::Gemm::Arguments args{
@@ -229,48 +270,55 @@ struct Runner {
         hw};
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = C::kAccum ? 1.0f : 0.0f;
+    args.scheduler.raster_order = p.schedule.along_n ? RasterOrder::AlongN : RasterOrder::AlongM;
+    args.scheduler.max_swizzle_size = p.schedule.swizzle;
     return args;
   }
 
   static size_t workspace(const Problem& p, int sm_count) {
-    return GroupArrays<C>::bytes_per_group_arrays(p.num_experts) +
-           C::Gemm::get_workspace_size(arguments(p, GroupArrays<C>{}, sm_count));
+    return GroupArrays<C>::bytes(p) + C::Gemm::get_workspace_size(arguments(p, GroupArrays<C>{}, sm_count));
   }
 
-  static int zero_blocks(const Problem& p) {
-    if (O == Op::kWgradAccum) return 0;
-    // Blocks that exit at once unless there is something to zero. Forward: the tail exists only for bad
-    // counts, 16 blocks suffice. Wgrad: up to 64 blocks per empty expert stream its d[e] at about bandwidth.
-    const int64_t chunks = p.m * p.n / 8;
-    const int64_t wanted = (chunks + kPrepareThreads * 4 - 1) / (kPrepareThreads * 4);
-    return static_cast<int>(std::clamp<int64_t>(wanted, 1, O == Op::kWgrad ? 64 : 16));
+  // Fill blocks per expert, exiting at once unless there is something to zero. Forward: the rows past the
+  // counts' sum exist only for bad counts, 16 blocks suffice. Wgrad: up to 64 per empty expert stream its d[e]
+  // at about store bandwidth. Accumulating wgrad writes no zeros.
+  static int fill_blocks(const Problem& p) {
+    if (C::kAccum) return 0;
+    if (C::kForward) return 16;
+    const int64_t chunks = p.m * p.n * static_cast<int64_t>(sizeof(typename C::Element)) / 16;
+    return static_cast<int>(std::clamp<int64_t>((chunks + kPrepareThreads * 4 - 1) / (kPrepareThreads * 4), 1, 64));
   }
 
-  // CUTLASS's Params depend only on the workspace address (group arrays and per-SM tensormap slots live
-  // there), E and the SM count: the TMA descriptors are built on placeholder addresses and rewritten per group
-  // on the device. Building them (descriptor encoding, checks) costs tens of microseconds of host time, so
-  // recent ones are kept; the caching allocator hands the same workspace back in steady state.
-  struct Cached {
+  // CUTLASS's Params depend only on the workspace address and layout (group arrays, the zero rows, per-SM
+  // tensormap slots), E, the SM count and the schedule: the TMA descriptors are built on placeholder
+  // addresses and rewritten per group on the device. Building them (descriptor encoding, checks) costs tens
+  // of microseconds of host time, so recent ones are kept; the caching allocator hands the same workspace
+  // back in steady state.
+  struct Key {
     int device = -1;
     void* workspace = nullptr;
     int64_t num_experts = 0;
+    size_t zeros_bytes = 0;
     int sm_count = 0;
-    typename C::Gemm::Params params;
+    bool along_n = false;
+    int swizzle = 0;
+    bool operator==(const Key& o) const {
+      return device == o.device && workspace == o.workspace && num_experts == o.num_experts &&
+             zeros_bytes == o.zeros_bytes && sm_count == o.sm_count && along_n == o.along_n && swizzle == o.swizzle;
+    }
   };
 
   static typename C::Gemm::Params params_for(const Problem& p, const GroupArrays<C>& g, void* workspace,
                                              int sm_count, cudaStream_t stream) {
     static std::mutex mutex;
-    static std::array<Cached, 8> cache;
+    static std::array<std::pair<Key, typename C::Gemm::Params>, 8> cache;
     static size_t next = 0;
-    int device = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
+    Key key{-1, workspace, p.num_experts, GroupArrays<C>::zeros_bytes(p), sm_count, p.schedule.along_n,
+            p.schedule.swizzle};
+    C10_CUDA_CHECK(cudaGetDevice(&key.device));
     const std::lock_guard<std::mutex> lock(mutex);
-    for (const Cached& c : cache) {
-      if (c.device == device && c.workspace == workspace && c.num_experts == p.num_experts &&
-          c.sm_count == sm_count) {
-        return c.params;
-      }
+    for (const auto& [cached_key, params] : cache) {
+      if (cached_key == key) return params;
     }
     typename C::Gemm gemm;
     const auto args = arguments(p, g, sm_count);
@@ -280,15 +328,16 @@ struct Runner {
     status = gemm.initialize(args, g.cutlass_workspace, stream);  // also raises the kernel's shared memory limit
     TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90): CUTLASS initialize failed: ",
                 cutlassGetStatusString(status));
-    cache[next] = {device, workspace, p.num_experts, sm_count, gemm.params()};
+    cache[next] = {key, gemm.params()};
     next = (next + 1) % cache.size();
     return gemm.params();
   }
 
   static void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
-    GroupArrays<C> g(workspace, p.num_experts);
-    const dim3 grid(1 + zero_blocks(p), static_cast<unsigned>(p.num_experts));
-    prepare_groups<C, O><<<grid, kPrepareThreads, 0, stream>>>(g, p);
+    GroupArrays<C> g(workspace, p);
+    const dim3 grid(1 + fill_blocks(p), static_cast<unsigned>(p.num_experts));
+    if (p.counts_int32) prepare_groups<C, int32_t><<<grid, kPrepareThreads, 0, stream>>>(g, p);
+    else prepare_groups<C, int64_t><<<grid, kPrepareThreads, 0, stream>>>(g, p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     auto params = params_for(p, g, workspace, sm_count, stream);
     const cutlass::Status status = C::Gemm::run(params, stream);

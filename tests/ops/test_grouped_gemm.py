@@ -141,6 +141,18 @@ def test_compile_fullgraph_matches_eager(trans_weight):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("trans_weight", [False, True])
+def test_opcheck_schema_autograd_fake_and_aot(trans_weight):
+    # torch.library.opcheck: schema mutation/aliasing, the C++ autograd registration, fake kernels and
+    # AOTAutograd (dynamic shapes) against eager, on empty and non-empty experts.
+    counts = torch.tensor([4, 0, 3, 1])
+    w_shape = (4, N, K) if trans_weight else (4, K, N)
+    x, w = torch.randn(8, K, requires_grad=True), torch.randn(w_shape, requires_grad=True)
+    torch.library.opcheck(torch.ops.moe_core.grouped_gemm.default, (x, w, counts, trans_weight))
+    dy = torch.randn(8, N)
+    torch.library.opcheck(torch.ops.moe_core.grouped_gemm_wgrad.default, (x.detach(), dy, counts, trans_weight))
+
+
 def test_gradient_accumulation_fusion_adds_into_main_grad():
     counts = torch.tensor([2, 0, 3])
     x = torch.randn(5, K, dtype=torch.bfloat16, requires_grad=True)

@@ -97,11 +97,15 @@ def test_groups_spanning_many_tiles(dtype, trans_weight, portable, monkeypatch):
     check_against_float64(counts, 264, 200, dtype, trans_weight)
 
 
-@pytest.mark.parametrize("tile", ["128x256", "128x128", "128x256c21", "128x128pp"])
+@pytest.mark.parametrize("raster,swizzle", [("m", "1"), ("n", "4")])
+@pytest.mark.parametrize("tile", ["128x256", "128x128", "128x256c21", "128x128pp", "256x128c21"])
 @pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
-def test_every_sm90_tile_matches_float64(tile, trans_weight, monkeypatch):
-    # The tile heuristics pick one tile per problem; MOE_CORE_GEMM_TILE forces each (ignored off Hopper).
+def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight, monkeypatch):
+    # The heuristics pick one schedule per problem; MOE_CORE_GEMM_TILE/RASTER/SWIZZLE force each tile and
+    # both walks of the persistent scheduler (ignored off Hopper).
     monkeypatch.setenv("MOE_CORE_GEMM_TILE", tile)
+    monkeypatch.setenv("MOE_CORE_GEMM_RASTER", raster)
+    monkeypatch.setenv("MOE_CORE_GEMM_SWIZZLE", swizzle)
     torch.manual_seed(7)
     counts = torch.tensor([0, 700, 5, 0, 300, 1, 0, 130])
     check_against_float64(counts, 520, 384, torch.bfloat16, trans_weight)
@@ -234,6 +238,18 @@ def test_rows_past_the_counts_sum_are_zero(dtype):
     ref = grouped_gemm_ref(x[:5].double(), w.double(), counts.cpu())
     torch.testing.assert_close(y[:5].double(), ref, rtol=1e-2, atol=1e-2)
     assert torch.equal(y[5:], torch.zeros(4, 8, device="cuda", dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_wgrad_of_experts_past_the_rows_is_zero(dtype):
+    # Counts summing past T (unchecked on the GPU): expert 1's rows are clamped away, so it is empty and its
+    # weight gradient exactly zero, like expert 2's; expert 0 still gets its rows.
+    counts = torch.tensor([9, 3, 0], device="cuda")
+    x, dy = torch.randn(9, 16, device="cuda", dtype=dtype), torch.randn(9, 8, device="cuda", dtype=dtype)
+    poison_allocator()
+    dw = torch.ops.moe_core.grouped_gemm_wgrad(x, dy, counts, False)
+    torch.testing.assert_close(dw[0].double(), x.double().t() @ dy.double(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(dw[1:], torch.zeros(2, 16, 8, device="cuda", dtype=dtype))
 
 
 def test_zero_reduction_width_and_no_experts():

@@ -1,0 +1,56 @@
+// Autograd of moe_core::grouped_gemm, registered at the Autograd dispatch key in C++ (the pattern of
+// torchvision's ops) rather than from Python: a Python autograd kernel costs about 10 us of host time per call,
+// which is most of an all-empty call's budget. dgrad is the forward op with the weight transposed, wgrad
+// grouped_gemm_wgrad (exact zeros for empty experts, never undefined); both go through the dispatcher, so the
+// backward also traces under torch.compile (fake kernels in moe_core/ops/grouped_gemm.py).
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace moe_core {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// grouped_gemm and grouped_gemm_wgrad share one schema; calls go through the dispatcher so that tracing and
+// the fake kernels see them.
+using GemmSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
+using GemmOp = c10::TypedOperatorHandle<GemmSignature>;
+
+GemmOp find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<GemmSignature>();
+}
+const GemmOp& grouped_gemm_op() { static const GemmOp op = find_op("moe_core::grouped_gemm"); return op; }
+const GemmOp& grouped_gemm_wgrad_op() { static const GemmOp op = find_op("moe_core::grouped_gemm_wgrad"); return op; }
+
+class GroupedGemm : public torch::autograd::Function<GroupedGemm> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& tokens_per_expert, bool trans_weight) {
+    ctx->save_for_backward({x, weight, tokens_per_expert});
+    ctx->saved_data["trans_weight"] = trans_weight;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;  // else this kernel would call itself
+    return grouped_gemm_op().call(x, weight, tokens_per_expert, trans_weight);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const bool trans_weight = ctx->saved_data["trans_weight"].toBool();
+    const auto dy = grads[0].contiguous();
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = grouped_gemm_op().call(dy, saved[1], saved[2], !trans_weight);
+    if (ctx->needs_input_grad(1)) dw = grouped_gemm_wgrad_op().call(saved[0], dy, saved[2], trans_weight);
+    return {dx, dw, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor grouped_gemm_autograd(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& tokens_per_expert,
+                                 bool trans_weight) {
+  return GroupedGemm::apply(x, weight, tokens_per_expert, trans_weight);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(moe_core, Autograd, m) { m.impl("grouped_gemm", &grouped_gemm_autograd); }
+
+}  // namespace moe_core
