@@ -3,7 +3,7 @@
 PYTHON ?= python3
 STAMP := .install-stamp
 
-.PHONY: install train test gpu-test bench
+.PHONY: install train test gpu-test cuda-check
 
 install: $(STAMP)
 
@@ -25,3 +25,8 @@ test: install
 gpu-test: install
 	$(PYTHON) -m pytest -q -m gpu $(ARGS)
 	MOE_CORE_TEST_BACKEND=nccl $(PYTHON) -m pytest -q tests/parallel $(ARGS)
+
+# Compiles csrc/cuda for sm_90a with CUTLASS, without a GPU: needs only nvcc on the PATH (CI runs it).
+cuda-check: install
+	$(PYTHON) -m pip install -q nvidia-cutlass==4.2.0.0
+	$(PYTHON) tools/check_cuda_compile.py $(ARGS)

@@ -62,12 +62,15 @@ def _extension():
     )
 
 
-setup(
-    name="moe_core",
-    version="0.1.0",
-    description="Empty-group-safe grouped GEMM, token dispatch and grouped MLP for Mixture-of-Experts training",
-    packages=find_packages(include=["moe_core", "moe_core.*"]),
-    python_requires=">=3.10",
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
-)
+# Guarded so that tools/check_cuda_compile.py can import _extension() without building; pip and
+# setuptools.build_meta run this file as __main__.
+if __name__ == "__main__":
+    setup(
+        name="moe_core",
+        version="0.1.0",
+        description="Empty-group-safe grouped GEMM, token dispatch and grouped MLP for Mixture-of-Experts training",
+        packages=find_packages(include=["moe_core", "moe_core.*"]),
+        python_requires=">=3.10",
+        ext_modules=[_extension()],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=shutil.which("ninja") is not None)},
+    )
