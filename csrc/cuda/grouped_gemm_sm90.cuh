@@ -45,27 +45,18 @@ struct Pingpong {
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
+// A CTA tile of BM x BN x 64 on a CM x CN cluster under a schedule.
+template <int BM, int BN, int CM, int CN, class Schedule>
+struct TileSpec : Schedule {
+  using Shape = cute::Shape<cute::Int<BM>, cute::Int<BN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<CM>, cute::Int<CN>, cute::_1>;
+};
 template <Tile T> struct TileOf;
-template <> struct TileOf<Tile::k128x256> : Cooperative {
-  using Shape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-};
-template <> struct TileOf<Tile::k128x128> : Cooperative {
-  using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-};
-template <> struct TileOf<Tile::k128x256_2x1> : Cooperative {
-  using Shape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
-};
-template <> struct TileOf<Tile::k128x128_pingpong> : Pingpong {
-  using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_2, cute::_1>;
-};
-template <> struct TileOf<Tile::k256x128_2x1> : Cooperative {
-  using Shape = cute::Shape<cute::_256, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
-};
+template <> struct TileOf<Tile::k128x256> : TileSpec<128, 256, 1, 2, Cooperative> {};
+template <> struct TileOf<Tile::k128x128> : TileSpec<128, 128, 1, 1, Cooperative> {};
+template <> struct TileOf<Tile::k128x256_2x1> : TileSpec<128, 256, 2, 1, Cooperative> {};
+template <> struct TileOf<Tile::k128x128_pingpong> : TileSpec<128, 128, 1, 2, Pingpong> {};
+template <> struct TileOf<Tile::k256x128_2x1> : TileSpec<256, 128, 2, 1, Cooperative> {};
 
 // Layouts in CUTLASS's (M, N, K) terms. Forward: A = x_e [M_e, K] K-contiguous; B = w_e, N-contiguous ([K, N])
 // or K-contiguous ([N, K]); D = y_e [M_e, N]. Wgrad: A = a_e^T with a_e [T_e, m] read M-contiguous,
