@@ -43,10 +43,11 @@ def read_documents(paths: list[Path]) -> list[tuple[str, str]]:
     Raises:
         ValueError: a JSONL line is not an object with a string ``"text"`` field.
     """
-    resolved = [Path(p).resolve() for p in paths]
-    root = Path(os.path.commonpath([p.parent for p in resolved])) if resolved else Path()
+    # Absolute, not resolved: a symlinked file (Debian links some stdlib modules into /etc) keeps its name.
+    absolute = [Path(os.path.abspath(p)) for p in paths]
+    root = Path(os.path.commonpath([p.parent for p in absolute])) if absolute else Path()
     docs = []
-    for path in resolved:
+    for path in absolute:
         name = path.relative_to(root).as_posix()
         text = path.read_text(encoding="utf-8", errors="replace")
         if path.suffix != ".jsonl":

@@ -25,6 +25,18 @@ def test_stdlib_sources_exclude_tests_and_site_packages(tmp_path, monkeypatch):
     assert [p.relative_to(tmp_path).as_posix() for p in stdlib_sources()] == sorted(keep)
 
 
+def test_document_names_keep_symlinked_files_in_their_directory(tmp_path):
+    # Debian links some stdlib modules to files under /etc: a name must follow the link's place, not its
+    # target's, or the common root (and every name, hence the split) would change.
+    corpus = tmp_path / "corpus"
+    (corpus / "a").mkdir(parents=True)
+    (corpus / "a" / "x.py").write_text("x = 1\n")
+    (tmp_path / "elsewhere.py").write_text("y = 2\n")
+    (corpus / "link.py").symlink_to(tmp_path / "elsewhere.py")
+    docs = read_documents([corpus / "a" / "x.py", corpus / "link.py"])
+    assert docs == [("a/x.py", "x = 1\n"), ("link.py", "y = 2\n")]
+
+
 def test_real_stdlib_corpus():
     root = sysconfig.get_paths()["stdlib"]
     files = stdlib_sources()
