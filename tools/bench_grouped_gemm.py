@@ -7,10 +7,10 @@ providers (so drift hits them alike); the spread between rounds is reported as t
 over enough copies to exceed L2. TFLOP/s count 2 T K N per pass (6 T K N for forward+backward). The dense
 provider multiplies the same total rows by one weight: the ceiling a grouped kernel can hope for.
 
-Usage: python3 tools/bench_grouped_gemm.py [--quick] [--sweep] [--json out.json]
+Usage: python3 tools/bench_grouped_gemm.py [--quick] [--sweep] [--tile TILE] [--json out.json]
 (--sweep instead times moe_core alone under every sm_90a schedule forced through MOE_CORE_GEMM_TILE,
 MOE_CORE_GEMM_RASTER and MOE_CORE_GEMM_SWIZZLE, and prints the best per shape and pass: the heuristics'
-tuning data.)
+tuning data. --tile also times moe_core with MOE_CORE_GEMM_TILE=TILE forced, in the same rounds.)
 """
 
 from __future__ import annotations
@@ -138,18 +138,17 @@ def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int]):
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "fwd+bwd": both}
 
 
-SM90_TILES = ("128x256", "128x128", "128x256c21", "128x128pp", "256x128c21")
+SM90_TILES = ("128x256", "128x128", "128x256c21", "128x128pp", "256x128c21", "rows")
 SWEEP = [dict(MOE_CORE_GEMM_TILE=tile, MOE_CORE_GEMM_RASTER=raster, MOE_CORE_GEMM_SWIZZLE=str(swizzle))
          for tile in SM90_TILES for raster in "mn" for swizzle in (1, 2, 4)]
 
 
 def schedule_name(env: dict | None) -> str:
-    if env is None:
-        return "default"
-    return f"{env['MOE_CORE_GEMM_TILE']}/{env['MOE_CORE_GEMM_RASTER']}/{env['MOE_CORE_GEMM_SWIZZLE']}"
+    return "/".join(env.values()) if env else "default"
 
 
-def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = False) -> dict:
+def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = False,
+                tile: str | None = None) -> dict:
     k, n, e, t = spec["k"], spec["n"], spec["e"], spec["t"]
     counts = make_counts(e, t, spec["skew"], gen)
     bytes_per_copy = 2 * (t * k + e * k * n + t * n)
@@ -160,6 +159,8 @@ def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = 
     counts_gpu = counts.cuda()
     # (provider, forced sm_90a schedule or None): the sweep times moe_core once per schedule.
     configs = [("moe_core", None)] + [("moe_core", env) for env in SWEEP] if sweep else [(p, None) for p in PROVIDERS]
+    if tile:
+        configs.append(("moe_core", dict(MOE_CORE_GEMM_TILE=tile)))
     passes = PASSES[:3] if sweep else PASSES
     rounds: dict = {}  # (provider, schedule, pass) -> [median of each round]
     failed = set()
@@ -202,6 +203,21 @@ def print_sweep(results: list[dict]) -> None:
                             reverse=True)
             top = ", ".join(f"{sched} {tf:.0f}" for tf, sched in ranked[:3])
             print(f"{r['name']:40s} {name:6s} {r['tflops']['moe_core'][name]:8.1f} {ranked[0][0]:8.1f}  {top}")
+
+
+def print_forced_tile(results: list[dict], tile: str) -> None:
+    """moe_core with MOE_CORE_GEMM_TILE=tile forced, against its default schedule and torch._grouped_mm."""
+    print(f"\nforced tile {tile}: {'shape':40s} {'pass':8s} {'TFLOP/s':>8s} {'vs default':>10s} "
+          f"{'vs _grouped_mm':>14s}")
+    geo: dict = {}
+    for r in results:
+        for name, tf in r["schedule_tflops"][tile].items():
+            vs_default = ratio(tf, r["tflops"]["moe_core"].get(name))
+            vs_gmm = ratio(tf, r["tflops"].get("torch._grouped_mm", {}).get(name))
+            geo.setdefault(name, []).append(vs_gmm)
+            print(f"{'':13s} {r['name']:40s} {name:8s} {tf:8.1f} {fmt(vs_default, '10.2f')} {fmt(vs_gmm, '14.2f')}")
+    print(f"forced tile {tile}, geomean vs torch._grouped_mm: " + ", ".join(
+        f"{k} {math.exp(sum(map(math.log, v)) / len(v)):.2f}x" for k, v in geo.items() if all(v)))
 
 
 def device_ceilings() -> dict:
@@ -284,6 +300,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
     parser.add_argument("--sweep", action="store_true", help="time moe_core under every sm_90a schedule")
+    parser.add_argument("--tile", help="also time moe_core with this MOE_CORE_GEMM_TILE forced")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -293,7 +310,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     results = []
     for spec in shapes(args.quick):
-        results.append(bench_shape(spec, timing, gen, args.sweep))
+        results.append(bench_shape(spec, timing, gen, args.sweep, None if args.sweep else args.tile))
         print(f"done {spec['name']}", file=sys.stderr, flush=True)
     if args.sweep:
         print_sweep(results)
@@ -303,6 +320,8 @@ def main() -> None:
                           indent=1)
         return
     geomeans = print_table(results)
+    if args.tile:
+        print_forced_tile(results, args.tile)
     ceilings = device_ceilings()
     print(f"ceilings: HBM copy {ceilings['hbm_gb_s']:.0f} GB/s, "
           f"dense bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s")

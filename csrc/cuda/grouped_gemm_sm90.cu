@@ -17,6 +17,7 @@ const char* name(Tile t) {
     case Tile::k128x256_2x1: return "128x256x64 cooperative cluster 2x1";
     case Tile::k128x128_pingpong: return "128x128x64 pingpong cluster 1x2";
     case Tile::k256x128_2x1: return "256x128x64 cooperative cluster 2x1";
+    case Tile::kRows128x256: return "128x256x64 cooperative row tiles";
   }
   return "?";
 }
@@ -52,11 +53,19 @@ void run(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, s
   else detail::launch<D, O, T>(p, workspace, sm_count, stream);
 }
 
-// The tuning candidates are built for bf16 forward and wgrad only (see Tile).
+// The tuning candidates are built for bf16 forward and wgrad only, the row-tile kernel for bf16 forward (see Tile).
 constexpr bool candidates_built(Dtype d, Op op) { return d == Dtype::kBf16 && op != Op::kWgradAccum; }
+constexpr bool rows_built(Dtype d, Op op) {
+  return d == Dtype::kBf16 && (op == Op::kForwardKN || op == Op::kForwardNK);
+}
 
 template <Dtype D, Op O>
 void dispatch_tile(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, size_t* bytes) {
+  if constexpr (rows_built(D, O)) {
+    if (p.schedule.tile == Tile::kRows128x256) {
+      return run<D, O, Tile::kRows128x256>(p, workspace, sm_count, stream, bytes);
+    }
+  }
   if constexpr (candidates_built(D, O)) {
     switch (p.schedule.tile) {
       case Tile::k128x256_2x1: return run<D, O, Tile::k128x256_2x1>(p, workspace, sm_count, stream, bytes);
@@ -120,12 +129,18 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
   // as in every benchmark shape. Past that (few experts, many rows each: T/E > N) A_e outgrows L2 and the
   // walk along N, which keeps a row block hot instead, reads each operand about once.
   s.along_n = forward && p.m > p.n * p.num_experts;
+  // bf16 forward and dgrad: the row-tile kernel, static TMA descriptors instead of per-group ones, led the
+  // pointer-array pick by 2-5% in geomean over the benchmark's shapes in three H100 runs (docs/kernel_notes.md).
+  // It needs rows (T > 0) and expert and column-tile indices that fit its 16-bit work-tile fields.
+  const bool rows_fit = p.m > 0 && p.num_experts < 65536 && ceil_div(p.n, 256) < 65536;
+  if (rows_built(p.dtype, p.op) && rows_fit) s.tile = Tile::kRows128x256;
   if (const char* forced = std::getenv("MOE_CORE_GEMM_TILE")) {
     if (std::strcmp(forced, "128x256") == 0) s.tile = Tile::k128x256;
     else if (std::strcmp(forced, "128x128") == 0) s.tile = Tile::k128x128;
     else if (std::strcmp(forced, "128x256c21") == 0) s.tile = candidates ? Tile::k128x256_2x1 : Tile::k128x256;
     else if (std::strcmp(forced, "128x128pp") == 0) s.tile = candidates ? Tile::k128x128_pingpong : Tile::k128x128;
     else if (std::strcmp(forced, "256x128c21") == 0) s.tile = candidates ? Tile::k256x128_2x1 : Tile::k128x256;
+    else if (std::strcmp(forced, "rows") == 0 && rows_built(p.dtype, p.op) && rows_fit) s.tile = Tile::kRows128x256;
   }
   if (const char* forced = std::getenv("MOE_CORE_GEMM_RASTER")) s.along_n = std::strcmp(forced, "n") == 0;
   if (const char* forced = std::getenv("MOE_CORE_GEMM_SWIZZLE")) {

@@ -165,14 +165,14 @@ __device__ __forceinline__ Stride leading_stride(int64_t ld) {
 
 constexpr int kPrepareThreads = 256;
 
-// The rows of experts [0, end): max(count, 0) summed, on every thread of the block.
-template <class CountT>
+// The rows of experts [0, end): max(count, 0) summed, on every thread of a block of `Threads` threads.
+template <int Threads = kPrepareThreads, class CountT>
 __device__ int64_t rows_before(const CountT* counts, int64_t end) {
-  using Reduce = cub::BlockReduce<int64_t, kPrepareThreads>;
+  using Reduce = cub::BlockReduce<int64_t, Threads>;
   __shared__ typename Reduce::TempStorage temp;
   __shared__ int64_t total;
   int64_t partial = 0;
-  for (int64_t i = threadIdx.x; i < end; i += kPrepareThreads) {
+  for (int64_t i = threadIdx.x; i < end; i += Threads) {
     partial += max(static_cast<int64_t>(counts[i]), int64_t{0});
   }
   const int64_t sum = Reduce(temp).Sum(partial);
@@ -184,8 +184,8 @@ __device__ int64_t rows_before(const CountT* counts, int64_t end) {
 // Zeros bytes [begin, end) of `base` (16-byte multiples) with the blocks of grid columns 1.. of one row.
 __device__ __forceinline__ void zero_fill(void* base, int64_t begin, int64_t end) {
   auto* out = static_cast<uint4*>(base);
-  const int64_t step = static_cast<int64_t>(gridDim.x - 1) * kPrepareThreads;
-  for (int64_t i = begin / 16 + (blockIdx.x - 1) * kPrepareThreads + threadIdx.x; i < end / 16; i += step) {
+  const int64_t step = static_cast<int64_t>(gridDim.x - 1) * blockDim.x;
+  for (int64_t i = begin / 16 + (blockIdx.x - 1) * blockDim.x + threadIdx.x; i < end / 16; i += step) {
     out[i] = make_uint4(0, 0, 0, 0);
   }
 }

@@ -33,6 +33,8 @@ enum class Tile {
                        // other's MMAs), cluster 1x2
   k256x128_2x1,        // 256x128x64, cooperative (each warpgroup 128 rows), cluster 2x1: a B tile serves 512
                        // rows, half the weight traffic into the SMs of 128x256_2x1 for the same tile area
+  kRows128x256,        // bf16 forward/dgrad default: 128x256x64 cooperative on CUTLASS's plain kernel with
+                       // static TMA descriptors over all of x (grouped_gemm_sm90_rows.cuh)
 };
 
 // How the persistent kernel walks each group's output tiles (CUTLASS's group tile scheduler): along M (down
@@ -68,7 +70,7 @@ struct Problem {
 bool compiled();
 
 // The schedule the heuristics pick for `p` from host-known numbers (E, m/n/k, the SM count; never the
-// counts). For tuning, MOE_CORE_GEMM_TILE=128x256|128x128|128x256c21|128x128pp|256x128c21 overrides the tile
+// counts). For tuning, MOE_CORE_GEMM_TILE=128x256|128x128|128x256c21|128x128pp|256x128c21|rows overrides the tile
 // (one not built for the dtype and op falls back to 128x256 or 128x128), MOE_CORE_GEMM_RASTER=m|n and
 // MOE_CORE_GEMM_SWIZZLE=1|2|4|8 the walk; MOE_CORE_GEMM_DEBUG=1 prints the choice.
 Schedule pick_schedule(const Problem& p, int sm_count);

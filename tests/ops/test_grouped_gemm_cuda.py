@@ -98,7 +98,7 @@ def test_groups_spanning_many_tiles(dtype, trans_weight, portable, monkeypatch):
 
 
 @pytest.mark.parametrize("raster,swizzle", [("m", "1"), ("n", "4")])
-@pytest.mark.parametrize("tile", ["128x256", "128x128", "128x256c21", "128x128pp", "256x128c21"])
+@pytest.mark.parametrize("tile", ["128x256", "128x128", "128x256c21", "128x128pp", "256x128c21", "rows"])
 @pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
 def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight, monkeypatch):
     # The heuristics pick one schedule per problem; MOE_CORE_GEMM_TILE/RASTER/SWIZZLE force each tile and
@@ -111,15 +111,15 @@ def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight
     check_against_float64(counts, 520, 384, torch.bfloat16, trans_weight)
 
 
-def test_large_groups_take_the_2x1_cluster_by_default(monkeypatch, capfd):
-    # The heuristics' own pick (no MOE_CORE_GEMM_TILE) for bf16 with >= 512 rows per expert and many tiles.
+def test_bf16_forward_takes_the_row_tile_kernel_by_default(monkeypatch, capfd):
+    # The heuristics' own pick (no MOE_CORE_GEMM_TILE) for a bf16 forward.
     monkeypatch.delenv("MOE_CORE_GEMM_TILE", raising=False)
     monkeypatch.setenv("MOE_CORE_GEMM_DEBUG", "1")
     torch.manual_seed(8)
     check_against_float64(torch.tensor([1100, 948]), 64, 8192, torch.bfloat16, False)
     err = capfd.readouterr().err
     if torch.cuda.get_device_capability() == (9, 0) and "built without sm_90a" not in err:
-        assert "forward (weight [E, K, N]): E=2 m=2048 n=8192 k=64 -> tile 128x256x64 cooperative cluster 2x1" in err
+        assert "forward (weight [E, K, N]): E=2 m=2048 n=8192 k=64 -> tile 128x256x64 cooperative row tiles" in err
 
 
 @pytest.mark.parametrize("n", [33, 40])

@@ -1,0 +1,366 @@
+// The row-tile forward on sm_90a: y_e = x_e w_e for all experts with static TMA descriptors.
+//
+// CUTLASS's pointer-array kernels (grouped_gemm_sm90.cuh) keep per-group TMA descriptors in global memory and
+// rewrite them on the device; on one H100 the same 128x256x64 tile on the same 65536 x 2048 -> 1536 product ran
+// 560-670 TFLOP/s that way and 726-748 as CUTLASS's plain (non-array) kernel, and as a 128-batch of 512-row
+// products 670-706 (docs/kernel_notes.md). This path therefore runs the plain kernel as a batched product over
+// L = E experts in which every expert sees all of x and y (batch stride 0) and w_e is batch e: each TMA
+// descriptor is built once on the host. The tile grid is over x's rows, not each expert's: a work tile is
+// (row tile i, column tile j, expert e) for every row tile i that holds rows of expert e, listed by a prepare
+// kernel from the device-side counts, and the epilogue stores only the rows of the tile that belong to e (a
+// row tile split between experts is computed once per expert, as the pointer-array kernel pads each group
+// to whole tiles). No host sync; the grid is the SM count whatever the counts.
+#pragma once
+
+#include "grouped_gemm_sm90.cuh"
+
+#if !defined(MOE_CORE_WITH_SM90)
+#define MOE_CORE_SM90_INSTANTIATE_ROWS(DTYPE, OP)
+#else
+
+#include <cub/block/block_scan.cuh>
+
+#include "cutlass/epilogue/collective/detail.hpp"
+#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/gemm/kernel/tile_scheduler.hpp"
+
+namespace moe_core::cuda::sm90 {
+
+// One work tile: row tile, then expert << 16 | column tile.
+using RowTileWork = int2;
+
+// The workspace of the row-tile path: row offsets [E + 1] (clamped, as the pointer-array path), the work tiles
+// and their count, with room for the most the host-known shapes allow.
+struct RowTileArrays {
+  int64_t* offsets = nullptr;
+  int64_t* tile_base = nullptr;  // [E + 1]: first work tile of each expert
+  int32_t* count = nullptr;
+  RowTileWork* tiles = nullptr;
+
+  static constexpr size_t kAlign = 256;
+  static size_t round_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+  // An expert with n rows spans at most ceil(n / bm) + 1 row tiles.
+  static int64_t max_tiles(const Problem& p, int bm, int bn) {
+    return ((p.m + bm - 1) / bm + 2 * p.num_experts) * ((p.n + bn - 1) / bn);
+  }
+  static size_t bytes(const Problem& p, int bm, int bn) {
+    return 2 * round_up((p.num_experts + 1) * sizeof(int64_t)) + round_up(sizeof(int32_t)) +
+           round_up(max_tiles(p, bm, bn) * sizeof(RowTileWork));
+  }
+  RowTileArrays(void* workspace, const Problem& p) {
+    auto* next = static_cast<char*>(workspace);
+    auto take = [&](size_t bytes) { char* q = next; next += round_up(bytes); return q; };
+    offsets = reinterpret_cast<int64_t*>(take((p.num_experts + 1) * sizeof(int64_t)));
+    tile_base = reinterpret_cast<int64_t*>(take((p.num_experts + 1) * sizeof(int64_t)));
+    count = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
+    tiles = reinterpret_cast<RowTileWork*>(next);
+  }
+};
+
+constexpr int kListThreads = 1024;
+
+// Block 0 lists the work tiles; blocks 1.. zero the rows past the counts' sum (bad counts only), as the
+// pointer-array forward does. Per expert e with rows [r0, r1): row tiles r0 / bm .. ceil(r1 / bm) - 1 times
+// every column tile, walked down the rows (a weight slice stays hot while the rows stream past) unless the
+// expert's rows outweigh its weight (r1 - r0 > n), then across the columns (a row block stays hot). (A 2x1
+// cluster sharing weight tiles, with each expert's row tiles padded to pairs, measured 3% slower overall.)
+template <class Element, class CountT>
+__global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, Problem p, int bm, int bn) {
+  const auto* counts = static_cast<const CountT*>(p.counts);
+  const int64_t experts = p.num_experts, col_tiles = (p.n + bn - 1) / bn;
+  if (blockIdx.x > 0) {
+    const int64_t rows = min(rows_before<kListThreads>(counts, experts), p.num_rows);
+    zero_fill(p.d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element));
+    return;
+  }
+  using Scan = cub::BlockScan<int64_t, kListThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  const int64_t per_thread = (experts + kListThreads - 1) / kListThreads;
+  const int64_t e0 = min(threadIdx.x * per_thread, experts), e1 = min(e0 + per_thread, experts);
+  auto rows_of = [&](int64_t e) { return max(static_cast<int64_t>(counts[e]), int64_t{0}); };
+  auto row_tiles = [&](int64_t r0, int64_t r1) { return r1 > r0 ? (r1 + bm - 1) / bm - r0 / bm : 0; };
+  int64_t mine = 0;
+  for (int64_t e = e0; e < e1; ++e) mine += rows_of(e);
+  int64_t before = 0;
+  Scan(temp).ExclusiveSum(mine, before);
+  __syncthreads();
+  int64_t tiles = 0;
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t r0 = min(before, p.num_rows), r1 = min(before + rows_of(e), p.num_rows);
+    g.offsets[e] = r0;
+    tiles += row_tiles(r0, r1) * col_tiles;
+    before += rows_of(e);
+  }
+  if (threadIdx.x == kListThreads - 1) g.offsets[experts] = min(before, p.num_rows);
+  int64_t first = 0;
+  Scan(temp).ExclusiveSum(tiles, first);
+  for (int64_t e = e0; e < e1; ++e) {
+    g.tile_base[e] = first;
+    const int64_t r0 = g.offsets[e], r1 = e + 1 < e1 ? g.offsets[e + 1] : min(before, p.num_rows);
+    first += row_tiles(r0, r1) * col_tiles;
+  }
+  if (threadIdx.x == kListThreads - 1) {
+    g.tile_base[experts] = first;
+    *g.count = static_cast<int32_t>(first);
+  }
+  __syncthreads();
+  const int64_t total = g.tile_base[experts];
+  for (int64_t t = threadIdx.x; t < total; t += kListThreads) {
+    int64_t lo = 0, hi = experts;  // the expert lo with tile_base[lo] <= t < tile_base[lo + 1]
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (g.tile_base[mid] <= t) lo = mid;
+      else hi = mid;
+    }
+    const int64_t r0 = g.offsets[lo], r1 = g.offsets[lo + 1];
+    const int64_t rows = row_tiles(r0, r1), u = t - g.tile_base[lo];
+    const bool across = r1 - r0 > p.n;
+    const int64_t row = across ? u / col_tiles : u % rows, col = across ? u % col_tiles : u / rows;
+    g.tiles[t] = make_int2(static_cast<int>(r0 / bm + row), static_cast<int>(lo << 16 | col));
+  }
+}
+
+// CUTLASS's static persistent scheduler walking the listed work tiles: CTA c takes tiles c, c + G, ... (G CTAs).
+struct RowTileSchedulerTag {};
+
+class RowTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+ public:
+  struct Arguments : Base::Arguments {
+    const RowTileWork* tiles = nullptr;
+    const int32_t* count = nullptr;
+  };
+  struct Params : Base::Params {
+    const RowTileWork* tiles = nullptr;
+    const int32_t* count = nullptr;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  static Params to_underlying_arguments(ProblemShapeMNKL shape, TileShape tile, ClusterShape cluster,
+                                        cutlass::KernelHardwareInfo const& hw, Arguments const& args,
+                                        void* workspace = nullptr, uint32_t epilogue_subtiles = 1,
+                                        uint32_t k_alignment = 1u) {
+    Params params;
+    static_cast<Base::Params&>(params) =
+        Base::to_underlying_arguments(shape, tile, cluster, hw, args, workspace, epilogue_subtiles, k_alignment);
+    params.tiles = args.tiles;
+    params.count = args.count;
+    return params;
+  }
+
+  RowTileScheduler() = default;
+  CUTLASS_DEVICE explicit RowTileScheduler(Params const& params)
+      : Base(params), tiles_(params.tiles), next_(blockIdx.x + uint64_t(blockIdx.y) * gridDim.x),
+        grid_(uint64_t(gridDim.x) * gridDim.y * gridDim.z), count_(*params.count) {}
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) const { return work(next_); }
+
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
+    next_ += grid_;
+    return cute::make_tuple(work(next_), true);
+  }
+  template <class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo current, Pipeline&, PipelineState) {
+    return fetch_next_work(current);
+  }
+
+  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance = 1) const {
+    return next_ + grid_ * advance >= count_;
+  }
+
+ private:
+  CUTLASS_DEVICE WorkTileInfo work(uint64_t t) const {
+    if (t >= count_) return WorkTileInfo::invalid_work_tile();
+    const RowTileWork w = tiles_[t];
+    return {w.x, w.y & 0xffff, w.y >> 16, true};
+  }
+
+  const RowTileWork* tiles_ = nullptr;
+  uint64_t next_ = 0, grid_ = 1, count_ = 0;
+};
+
+// Stores the rows of a (row tile, expert) work tile that belong to the expert (CUTLASS's warp-specialized
+// kernels call it through Sm90TmaWarpSpecializedAdapter). The accumulators go to shared memory one 128-column
+// half at a time, then out by one bulk asynchronous copy per row that belongs to the expert.
+template <class ElementD_, int BM, int BN>
+class RowTileEpilogue {
+ public:
+  using ElementC = void;
+  using ElementD = ElementD_;
+  using StrideC = cute::Stride<int64_t, cute::_1, int64_t>;
+  using StrideD = StrideC;
+  using GmemTiledCopyC = void;
+  using GmemTiledCopyD = void;
+  using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<ElementD, 1, float, float>;  // a plain copy
+  static constexpr int kCols = 128;                       // columns staged at a time
+  static constexpr int kPitch = kCols + 16 / sizeof(ElementD);  // one 16-byte pad per row: no bank conflicts
+  static constexpr int kThreads = 256;                    // the two consumer warpgroups
+  struct SharedStorage {
+    alignas(128) ElementD tile[BM * kPitch];
+  };
+  using TensorStorage = SharedStorage;
+  struct Arguments {
+    ElementD* ptr_d = nullptr;
+    int64_t ld = 0;
+    const int64_t* offsets = nullptr;
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*, cudaStream_t,
+                                              cutlass::CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
+
+  CUTLASS_HOST_DEVICE explicit RowTileEpilogue(Params const& params, SharedStorage const& = SharedStorage())
+      : params_(params) {}
+  CUTLASS_DEVICE bool is_source_needed() { return false; }
+
+  template <class ProblemShapeMNKL, class BlockShapeMNK, class BlockCoordMNKL, class FrgEngine, class FrgLayout,
+            class TiledMma, class ResidueMNK>
+  CUTLASS_DEVICE void operator()(ProblemShapeMNKL problem, BlockShapeMNK, BlockCoordMNKL coord,
+                                 cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma tiled_mma,
+                                 ResidueMNK, int thread_idx, char* smem) {
+    using namespace cute;
+    static_assert(BN % kCols == 0);
+    const auto [m_coord, n_coord, k_coord, l_coord] = coord;
+    const int64_t tile_row = int64_t(m_coord) * BM, tile_col = int64_t(n_coord) * BN;
+    const int lo = static_cast<int>(max(params_.offsets[l_coord], tile_row) - tile_row);
+    const int hi = static_cast<int>(min(params_.offsets[l_coord + 1], tile_row + BM) - tile_row);
+    const int cols = static_cast<int>(min<int64_t>(int64_t(get<1>(problem)) - tile_col, BN));
+    auto* staged = reinterpret_cast<SharedStorage*>(smem)->tile;
+    Tensor where = thread_mma_coords(tiled_mma, thread_idx);
+    static_assert(BM <= kThreads);
+    CUTLASS_PRAGMA_UNROLL
+    for (int half = 0; half < BN / kCols; ++half) {
+      cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(accumulators); ++i) {
+        const int r = get<0>(where(i)), c = get<1>(where(i)) - half * kCols;
+        if (c >= 0 && c < kCols) staged[r * kPitch + c] = ElementD(accumulators(i));
+      }
+      cutlass::arch::fence_view_async_shared();  // the writes above, to the bulk copies
+      cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+      const int r = thread_idx, bytes = min(cols - half * kCols, kCols) * static_cast<int>(sizeof(ElementD));
+      if (r >= lo && r < hi && bytes > 0) {
+        SM90_BULK_COPY_S2G::copy(staged + r * kPitch,
+                                 params_.ptr_d + (tile_row + r) * params_.ld + tile_col + half * kCols, bytes);
+      }
+      if (thread_idx < BM) {  // the copies have read the staged rows before the next half overwrites them
+        tma_store_arrive();
+        tma_store_wait<0>();
+      }
+    }
+  }
+
+ private:
+  // The (row, column) within the tile of each of this thread's accumulators.
+  template <class TiledMma>
+  CUTLASS_DEVICE static auto thread_mma_coords(TiledMma tiled_mma, int thread_idx) {
+    using Tile = cute::Shape<cute::Int<BM>, cute::Int<BN>>;
+    return tiled_mma.get_thread_slice(thread_idx).partition_C(cute::make_identity_tensor(Tile{}));
+  }
+
+  Params params_;
+};
+
+template <Dtype D, Op O>
+struct RowTileConfig {
+  static_assert(O == Op::kForwardKN || O == Op::kForwardNK);
+  using Element = typename ElementOf<D>::type;
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = typename LayoutsOf<O>::B;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      RowTileEpilogue<Element, 128, 256>>;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      RowTileSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  static constexpr int kBlockM = 128, kBlockN = 256;
+};
+
+template <Dtype D, Op O>
+struct RowTileRunner {
+  using C = RowTileConfig<D, O>;
+
+  static typename C::Gemm::Arguments arguments(const Problem& p, const RowTileArrays& g, int sm_count) {
+    typename C::Kernel::StrideA stride_a{};
+    cute::get<0>(stride_a) = p.k;
+    cute::get<2>(stride_a) = 0;  // every expert reads all of x
+    typename C::Kernel::StrideB stride_b{};
+    if constexpr (O == Op::kForwardKN) cute::get<1>(stride_b) = p.n;  // w_e [K, N]
+    else cute::get<0>(stride_b) = p.k;                                // w_e [N, K]
+    cute::get<2>(stride_b) = p.k * p.n;
+    cutlass::KernelHardwareInfo hw;
+    hw.sm_count = sm_count;
+    typename C::Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.k), static_cast<int>(p.num_experts)},
+        {static_cast<const typename C::Element*>(p.a), stride_a, static_cast<const typename C::Element*>(p.b),
+         stride_b},
+        {static_cast<typename C::Element*>(p.d), p.n, g.offsets},
+        hw};
+    args.scheduler.raster_order = RowTileScheduler::RasterOrderOptions::AlongM;  // a 1-D grid
+    args.scheduler.tiles = g.tiles;
+    args.scheduler.count = g.count;
+    return args;
+  }
+
+  static size_t workspace(const Problem& p, int) { return RowTileArrays::bytes(p, C::kBlockM, C::kBlockN); }
+
+  static void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
+    RowTileArrays g(workspace, p);
+    const dim3 grid(1 + 16);  // block 0 lists the tiles, the others zero rows past the counts' sum
+    if (p.counts_int32) {
+      list_row_tiles<typename C::Element, int32_t><<<grid, kListThreads, 0, stream>>>(g, p, C::kBlockM, C::kBlockN);
+    } else {
+      list_row_tiles<typename C::Element, int64_t><<<grid, kListThreads, 0, stream>>>(g, p, C::kBlockM, C::kBlockN);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    typename C::Gemm gemm;
+    cutlass::Status status = gemm.initialize(arguments(p, g, sm_count), nullptr, stream);
+    TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row tiles): CUTLASS initialize failed: ",
+                cutlassGetStatusString(status));
+    status = gemm.run(stream);
+    TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row tiles): CUTLASS run failed: ",
+                cutlassGetStatusString(status));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+}  // namespace moe_core::cuda::sm90
+
+namespace cutlass::gemm::kernel::detail {
+template <class TileShape, class ClusterShape, uint32_t Stages>
+struct TileSchedulerSelector<moe_core::cuda::sm90::RowTileSchedulerTag, arch::Sm90, TileShape, ClusterShape, Stages> {
+  using Scheduler = moe_core::cuda::sm90::RowTileScheduler;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+#define MOE_CORE_SM90_INSTANTIATE_ROWS(DTYPE, OP)                                                          \
+  namespace moe_core::cuda::sm90::detail {                                                                 \
+  template <>                                                                                              \
+  size_t workspace_bytes<Dtype::DTYPE, Op::OP, Tile::kRows128x256>(const Problem& p, int sm_count) {       \
+    return RowTileRunner<Dtype::DTYPE, Op::OP>::workspace(p, sm_count);                                    \
+  }                                                                                                        \
+  template <>                                                                                              \
+  void launch<Dtype::DTYPE, Op::OP, Tile::kRows128x256>(const Problem& p, void* w, int s, cudaStream_t st) { \
+    RowTileRunner<Dtype::DTYPE, Op::OP>::launch(p, w, s, st);                                              \
+  }                                                                                                        \
+  }
+
+#endif  // MOE_CORE_WITH_SM90
