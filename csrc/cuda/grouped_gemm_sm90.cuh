@@ -105,6 +105,20 @@ struct Config {
   using PtrC = std::conditional_t<kAccum, const float*, const void*>;
 };
 
+// Consecutive 256-byte-aligned arrays in one device workspace: `bytes` sizes them, `take` hands them out in
+// the same order.
+struct WorkspaceCarver {
+  static constexpr size_t kAlign = 256;
+  static size_t bytes(size_t array_bytes) { return (array_bytes + kAlign - 1) / kAlign * kAlign; }
+  char* next;
+  template <class T>
+  T* take(size_t array_bytes) {
+    T* array = reinterpret_cast<T*>(next);
+    next += bytes(array_bytes);
+    return array;
+  }
+};
+
 // The per-group arrays CUTLASS reads, carved out of one workspace ahead of CUTLASS's own; for wgrad also
 // `zeros`, one row of each operand (m + n elements) that empty experts' groups read.
 template <class C>
@@ -121,35 +135,33 @@ struct GroupArrays {
   typename C::Element* zeros = nullptr;
   void* cutlass_workspace = nullptr;
 
-  static constexpr size_t kAlign = 256;
-  static size_t round_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
   static size_t zeros_bytes(const Problem& p) {
     return C::kOp == Op::kWgrad ? (p.m + p.n) * sizeof(typename C::Element) : 0;
   }
   static size_t bytes(const Problem& p) {
     const int64_t e = p.num_experts;
-    return round_up(e * sizeof(typename C::Shape)) + 4 * round_up(e * sizeof(void*)) +
-           round_up(e * sizeof(typename C::StrideA)) + round_up(e * sizeof(typename C::StrideB)) +
-           round_up(e * sizeof(typename C::StrideC)) + round_up(e * sizeof(typename C::StrideD)) +
-           round_up(zeros_bytes(p));
+    using W = WorkspaceCarver;
+    return W::bytes(e * sizeof(typename C::Shape)) + 4 * W::bytes(e * sizeof(void*)) +
+           W::bytes(e * sizeof(typename C::StrideA)) + W::bytes(e * sizeof(typename C::StrideB)) +
+           W::bytes(e * sizeof(typename C::StrideC)) + W::bytes(e * sizeof(typename C::StrideD)) +
+           W::bytes(zeros_bytes(p));
   }
 
   GroupArrays() = default;  // unplaced: enough for CUTLASS's workspace query, which reads no pointer
   GroupArrays(void* workspace, const Problem& p) {
     const int64_t e = p.num_experts;
-    auto* next = static_cast<char*>(workspace);
-    auto take = [&](size_t bytes) { char* q = next; next += round_up(bytes); return q; };
-    shapes = reinterpret_cast<typename C::Shape*>(take(e * sizeof(typename C::Shape)));
-    a = reinterpret_cast<const typename C::Element**>(take(e * sizeof(void*)));
-    b = reinterpret_cast<const typename C::Element**>(take(e * sizeof(void*)));
-    c = reinterpret_cast<typename C::PtrC*>(take(e * sizeof(void*)));
-    d = reinterpret_cast<typename C::ElementD**>(take(e * sizeof(void*)));
-    stride_a = reinterpret_cast<typename C::StrideA*>(take(e * sizeof(typename C::StrideA)));
-    stride_b = reinterpret_cast<typename C::StrideB*>(take(e * sizeof(typename C::StrideB)));
-    stride_c = reinterpret_cast<typename C::StrideC*>(take(e * sizeof(typename C::StrideC)));
-    stride_d = reinterpret_cast<typename C::StrideD*>(take(e * sizeof(typename C::StrideD)));
-    zeros = reinterpret_cast<typename C::Element*>(take(zeros_bytes(p)));
-    cutlass_workspace = next;
+    WorkspaceCarver w{static_cast<char*>(workspace)};
+    shapes = w.take<typename C::Shape>(e * sizeof(typename C::Shape));
+    a = w.take<const typename C::Element*>(e * sizeof(void*));
+    b = w.take<const typename C::Element*>(e * sizeof(void*));
+    c = w.take<typename C::PtrC>(e * sizeof(void*));
+    d = w.take<typename C::ElementD*>(e * sizeof(void*));
+    stride_a = w.take<typename C::StrideA>(e * sizeof(typename C::StrideA));
+    stride_b = w.take<typename C::StrideB>(e * sizeof(typename C::StrideB));
+    stride_c = w.take<typename C::StrideC>(e * sizeof(typename C::StrideC));
+    stride_d = w.take<typename C::StrideD>(e * sizeof(typename C::StrideD));
+    zeros = w.take<typename C::Element>(zeros_bytes(p));
+    cutlass_workspace = w.next;
   }
 };
 

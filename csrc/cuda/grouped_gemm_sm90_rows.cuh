@@ -37,23 +37,21 @@ struct RowTileArrays {
   int32_t* count = nullptr;
   RowTileWork* tiles = nullptr;
 
-  static constexpr size_t kAlign = 256;
-  static size_t round_up(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
   // An expert with n rows spans at most ceil(n / bm) + 1 row tiles.
   static int64_t max_tiles(const Problem& p, int bm, int bn) {
     return ((p.m + bm - 1) / bm + 2 * p.num_experts) * ((p.n + bn - 1) / bn);
   }
   static size_t bytes(const Problem& p, int bm, int bn) {
-    return 2 * round_up((p.num_experts + 1) * sizeof(int64_t)) + round_up(sizeof(int32_t)) +
-           round_up(max_tiles(p, bm, bn) * sizeof(RowTileWork));
+    using W = WorkspaceCarver;
+    return 2 * W::bytes((p.num_experts + 1) * sizeof(int64_t)) + W::bytes(sizeof(int32_t)) +
+           W::bytes(max_tiles(p, bm, bn) * sizeof(RowTileWork));
   }
   RowTileArrays(void* workspace, const Problem& p) {
-    auto* next = static_cast<char*>(workspace);
-    auto take = [&](size_t bytes) { char* q = next; next += round_up(bytes); return q; };
-    offsets = reinterpret_cast<int64_t*>(take((p.num_experts + 1) * sizeof(int64_t)));
-    tile_base = reinterpret_cast<int64_t*>(take((p.num_experts + 1) * sizeof(int64_t)));
-    count = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
-    tiles = reinterpret_cast<RowTileWork*>(next);
+    WorkspaceCarver w{static_cast<char*>(workspace)};
+    offsets = w.take<int64_t>((p.num_experts + 1) * sizeof(int64_t));
+    tile_base = w.take<int64_t>((p.num_experts + 1) * sizeof(int64_t));
+    count = w.take<int32_t>(sizeof(int32_t));
+    tiles = reinterpret_cast<RowTileWork*>(w.next);  // the rest: bytes() sized it
   }
 };
 
