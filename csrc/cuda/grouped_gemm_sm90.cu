@@ -10,14 +10,15 @@
 namespace moe_core::cuda::sm90 {
 namespace {
 
-const char* name(Tile t) {
+const char* name(Tile t, Op op) {
   switch (t) {
     case Tile::k128x256: return "128x256x64 cooperative cluster 1x2";
     case Tile::k128x128: return "128x128x64 cooperative cluster 1x1";
     case Tile::k128x256_2x1: return "128x256x64 cooperative cluster 2x1";
     case Tile::k128x128_pingpong: return "128x128x64 pingpong cluster 1x2";
     case Tile::k256x128_2x1: return "256x128x64 cooperative cluster 2x1";
-    case Tile::kRows128x256: return "128x256x64 cooperative row tiles";
+    case Tile::kRows128x256:
+      return op == Op::kWgrad ? "128x256x64 cooperative cluster 2x1 row ranges" : "128x256x64 cooperative row tiles";
   }
   return "?";
 }
@@ -53,11 +54,9 @@ void run(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, s
   else detail::launch<D, O, T>(p, workspace, sm_count, stream);
 }
 
-// The tuning candidates are built for bf16 forward and wgrad only, the row-tile kernel for bf16 forward (see Tile).
+// The tuning candidates and the row-tile kernels are built for bf16 forward and wgrad only (see Tile).
 constexpr bool candidates_built(Dtype d, Op op) { return d == Dtype::kBf16 && op != Op::kWgradAccum; }
-constexpr bool rows_built(Dtype d, Op op) {
-  return d == Dtype::kBf16 && (op == Op::kForwardKN || op == Op::kForwardNK);
-}
+constexpr bool rows_built(Dtype d, Op op) { return candidates_built(d, op); }
 
 template <Dtype D, Op O>
 void dispatch_tile(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, size_t* bytes) {
@@ -132,8 +131,16 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
   // bf16 forward and dgrad: the row-tile kernel, static TMA descriptors instead of per-group ones, led the
   // pointer-array pick by 2-5% in geomean over the benchmark's shapes in three H100 runs (docs/kernel_notes.md).
   // It needs rows (T > 0) and expert and column-tile indices that fit its 16-bit work-tile fields.
-  const bool rows_fit = p.m > 0 && p.num_experts < 65536 && ceil_div(p.n, 256) < 65536;
-  if (rows_built(p.dtype, p.op) && rows_fit) s.tile = Tile::kRows128x256;
+  // bf16 wgrad: the row-range kernel, the same idea with each expert's rows as the reduction (T > 0: its
+  // descriptors cover x's rows; T = 0 keeps the pointer-array kernel, whose prepare kernel streams the zeros),
+  // where an expert's d[e] has under two waves of tiles, so the pointer-array kernel's CTAs would rewrite their
+  // descriptors for another expert nearly every tile: in an interleaved A/B on an H100 it led by 3-8% on the
+  // Qwen3 and OLMoE shapes (64-128 tiles per expert) and trailed by 1-3% on Mixtral's and DeepSeek-V3's
+  // (448-3584 tiles per expert, descriptor rewrites rare).
+  const bool rows_fit = forward ? p.m > 0 && p.num_experts < 65536 && ceil_div(p.n, 256) < 65536
+                                : p.num_rows > 0 && p.num_rows < (int64_t{1} << 31);
+  const bool rows_pay = forward || ceil_div(p.m, 128) * ceil_div(p.n, 256) < 2 * sm_count;
+  if (rows_built(p.dtype, p.op) && rows_fit && rows_pay) s.tile = Tile::kRows128x256;
   if (const char* forced = std::getenv("MOE_CORE_GEMM_TILE")) {
     if (std::strcmp(forced, "128x256") == 0) s.tile = Tile::k128x256;
     else if (std::strcmp(forced, "128x128") == 0) s.tile = Tile::k128x128;
@@ -150,7 +157,7 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
   if (debug()) {
     std::fprintf(stderr, "[moe_core] grouped_gemm sm90 %s: E=%lld m=%lld n=%lld k=%lld -> tile %s, raster along %s, "
                  "swizzle %d\n", name(p.op), static_cast<long long>(p.num_experts), static_cast<long long>(p.m),
-                 static_cast<long long>(p.n), static_cast<long long>(p.k), name(s.tile), s.along_n ? "N" : "M",
+                 static_cast<long long>(p.n), static_cast<long long>(p.k), name(s.tile, p.op), s.along_n ? "N" : "M",
                  s.swizzle);
   }
   return s;

@@ -57,6 +57,26 @@ struct RowTileArrays {
 
 constexpr int kListThreads = 1024;
 
+// Row offsets [E + 1] of the experts, clamped to [0, num_rows] (negative counts count as empty), computed by
+// every thread of a block of `Threads` threads; on return all threads see them.
+template <int Threads, class CountT>
+__device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t num_rows, int64_t* offsets) {
+  using Scan = cub::BlockScan<int64_t, Threads>;
+  __shared__ typename Scan::TempStorage temp;
+  const int64_t per_thread = (experts + Threads - 1) / Threads;
+  const int64_t e0 = min(threadIdx.x * per_thread, experts), e1 = min(e0 + per_thread, experts);
+  int64_t mine = 0;
+  for (int64_t e = e0; e < e1; ++e) mine += max(static_cast<int64_t>(counts[e]), int64_t{0});
+  int64_t before = 0;
+  Scan(temp).ExclusiveSum(mine, before);
+  for (int64_t e = e0; e < e1; ++e) {
+    offsets[e] = min(before, num_rows);
+    before += max(static_cast<int64_t>(counts[e]), int64_t{0});
+  }
+  if (threadIdx.x == Threads - 1) offsets[experts] = min(before, num_rows);
+  __syncthreads();
+}
+
 // Block 0 lists the work tiles; blocks 1.. zero the rows past the counts' sum (bad counts only), as the
 // pointer-array forward does. Per expert e with rows [r0, r1): row tiles r0 / bm .. ceil(r1 / bm) - 1 times
 // every column tile, walked down the rows (a weight slice stays hot while the rows stream past) unless the
@@ -71,31 +91,22 @@ __global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, 
     zero_fill(p.d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element));
     return;
   }
-  using Scan = cub::BlockScan<int64_t, kListThreads>;
-  __shared__ typename Scan::TempStorage temp;
+  scan_row_offsets<kListThreads>(counts, experts, p.num_rows, g.offsets);
+  auto tiles_of = [&](int64_t e) {
+    const int64_t r0 = g.offsets[e], r1 = g.offsets[e + 1];
+    return (r1 > r0 ? (r1 + bm - 1) / bm - r0 / bm : 0) * col_tiles;
+  };
   const int64_t per_thread = (experts + kListThreads - 1) / kListThreads;
   const int64_t e0 = min(threadIdx.x * per_thread, experts), e1 = min(e0 + per_thread, experts);
-  auto rows_of = [&](int64_t e) { return max(static_cast<int64_t>(counts[e]), int64_t{0}); };
-  auto row_tiles = [&](int64_t r0, int64_t r1) { return r1 > r0 ? (r1 + bm - 1) / bm - r0 / bm : 0; };
-  int64_t mine = 0;
-  for (int64_t e = e0; e < e1; ++e) mine += rows_of(e);
-  int64_t before = 0;
-  Scan(temp).ExclusiveSum(mine, before);
-  __syncthreads();
   int64_t tiles = 0;
-  for (int64_t e = e0; e < e1; ++e) {
-    const int64_t r0 = min(before, p.num_rows), r1 = min(before + rows_of(e), p.num_rows);
-    g.offsets[e] = r0;
-    tiles += row_tiles(r0, r1) * col_tiles;
-    before += rows_of(e);
-  }
-  if (threadIdx.x == kListThreads - 1) g.offsets[experts] = min(before, p.num_rows);
+  for (int64_t e = e0; e < e1; ++e) tiles += tiles_of(e);
+  using Scan = cub::BlockScan<int64_t, kListThreads>;
+  __shared__ typename Scan::TempStorage temp;
   int64_t first = 0;
   Scan(temp).ExclusiveSum(tiles, first);
   for (int64_t e = e0; e < e1; ++e) {
     g.tile_base[e] = first;
-    const int64_t r0 = g.offsets[e], r1 = e + 1 < e1 ? g.offsets[e + 1] : min(before, p.num_rows);
-    first += row_tiles(r0, r1) * col_tiles;
+    first += tiles_of(e);
   }
   if (threadIdx.x == kListThreads - 1) {
     g.tile_base[experts] = first;
@@ -111,18 +122,76 @@ __global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, 
       else hi = mid;
     }
     const int64_t r0 = g.offsets[lo], r1 = g.offsets[lo + 1];
-    const int64_t rows = row_tiles(r0, r1), u = t - g.tile_base[lo];
+    const int64_t rows = (r1 + bm - 1) / bm - r0 / bm, u = t - g.tile_base[lo];
     const bool across = r1 - r0 > p.n;
     const int64_t row = across ? u / col_tiles : u % rows, col = across ? u % col_tiles : u / rows;
     g.tiles[t] = make_int2(static_cast<int>(r0 / bm + row), static_cast<int>(lo << 16 | col));
   }
 }
 
-// CUTLASS's static persistent scheduler walking the listed work tiles: CTA c takes tiles c, c + G, ... (G CTAs).
+// CUTLASS's static persistent scheduler walking units of our own: cluster c (a CTA when unclustered) takes
+// units c, c + G, ... (G clusters). `Derived` supplies `fetch(u)` (the part of unit u in global memory),
+// `work(u, fetched)` (its WorkTileInfo, invalid from `end()` on) and `end()`. Each fetch is issued one unit
+// ahead, so its latency hides behind the current unit's MMAs instead of stalling the consumers between tiles.
+template <class Derived, class Fetched>
+class AheadWalk : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
+ protected:
+  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+
+  // CUTLASS's Params (grid shape and the like) inside the derived scheduler's own.
+  template <class DerivedParams, class... Args>
+  static DerivedParams base_params(Args const&... args) {
+    DerivedParams params;
+    static_cast<Base::Params&>(params) = Base::to_underlying_arguments(args...);
+    return params;
+  }
+
+ public:
+  AheadWalk() = default;
+  template <class DerivedParams>
+  CUTLASS_DEVICE explicit AheadWalk(DerivedParams const& params) : Base(params) {
+    const dim3 id = cute::cluster_id_in_grid(), clusters = cute::cluster_grid_dims();
+    next_ = id.x + (uint64_t(id.y) + uint64_t(id.z) * clusters.y) * clusters.x;
+    grid_ = uint64_t(clusters.x) * clusters.y * clusters.z;
+  }
+
+  template <class ClusterShape>
+  CUTLASS_DEVICE auto initial_work_tile_info(ClusterShape) {
+    const Fetched first = self().fetch(next_);
+    ahead_ = self().fetch(next_ + grid_);
+    return self().work(next_, first);
+  }
+
+  template <class Work>
+  CUTLASS_DEVICE auto fetch_next_work(Work) {
+    next_ += grid_;
+    const auto next = self().work(next_, ahead_);
+    ahead_ = self().fetch(next_ + grid_);
+    return cute::make_tuple(next, true);
+  }
+  template <class Work, class Pipeline, class PipelineState>
+  CUTLASS_DEVICE auto fetch_next_work(Work current, Pipeline&, PipelineState) {
+    return fetch_next_work(current);
+  }
+
+  template <class Work>
+  CUTLASS_DEVICE bool is_last_tile(Work&, uint32_t advance = 1) const {
+    return next_ + grid_ * advance >= self().end();
+  }
+
+ private:
+  CUTLASS_DEVICE Derived& self() { return static_cast<Derived&>(*this); }
+  CUTLASS_DEVICE Derived const& self() const { return static_cast<Derived const&>(*this); }
+
+  uint64_t next_ = 0, grid_ = 1;
+  Fetched ahead_{};
+};
+
+// Walks the listed work tiles.
 struct RowTileSchedulerTag {};
 
-class RowTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
-  using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
+class RowTileScheduler : public AheadWalk<RowTileScheduler, RowTileWork> {
+  friend AheadWalk<RowTileScheduler, RowTileWork>;
 
  public:
   struct Arguments : Base::Arguments {
@@ -134,14 +203,10 @@ class RowTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
     const int32_t* count = nullptr;
   };
 
-  template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
+  template <class ProblemShapeMNKL, class TileShape, class ClusterShape, class... Rest>
   static Params to_underlying_arguments(ProblemShapeMNKL shape, TileShape tile, ClusterShape cluster,
-                                        cutlass::KernelHardwareInfo const& hw, Arguments const& args,
-                                        void* workspace = nullptr, uint32_t epilogue_subtiles = 1,
-                                        uint32_t k_alignment = 1u) {
-    Params params;
-    static_cast<Base::Params&>(params) =
-        Base::to_underlying_arguments(shape, tile, cluster, hw, args, workspace, epilogue_subtiles, k_alignment);
+                                        cutlass::KernelHardwareInfo const& hw, Arguments const& args, Rest... rest) {
+    auto params = base_params<Params>(shape, tile, cluster, hw, args, rest...);
     params.tiles = args.tiles;
     params.count = args.count;
     return params;
@@ -149,34 +214,18 @@ class RowTileScheduler : public cutlass::gemm::kernel::detail::PersistentTileSch
 
   RowTileScheduler() = default;
   CUTLASS_DEVICE explicit RowTileScheduler(Params const& params)
-      : Base(params), tiles_(params.tiles), next_(blockIdx.x + uint64_t(blockIdx.y) * gridDim.x),
-        grid_(uint64_t(gridDim.x) * gridDim.y * gridDim.z), count_(*params.count) {}
-
-  template <class ClusterShape>
-  CUTLASS_DEVICE WorkTileInfo initial_work_tile_info(ClusterShape) const { return work(next_); }
-
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo) {
-    next_ += grid_;
-    return cute::make_tuple(work(next_), true);
-  }
-  template <class Pipeline, class PipelineState>
-  CUTLASS_DEVICE auto fetch_next_work(WorkTileInfo current, Pipeline&, PipelineState) {
-    return fetch_next_work(current);
-  }
-
-  CUTLASS_DEVICE bool is_last_tile(WorkTileInfo&, uint32_t advance = 1) const {
-    return next_ + grid_ * advance >= count_;
-  }
+      : AheadWalk(params), tiles_(params.tiles), count_(*params.count) {}
 
  private:
-  CUTLASS_DEVICE WorkTileInfo work(uint64_t t) const {
+  CUTLASS_DEVICE uint64_t end() const { return count_; }
+  CUTLASS_DEVICE RowTileWork fetch(uint64_t t) const { return t < count_ ? tiles_[t] : RowTileWork{}; }
+  CUTLASS_DEVICE WorkTileInfo work(uint64_t t, RowTileWork w) const {
     if (t >= count_) return WorkTileInfo::invalid_work_tile();
-    const RowTileWork w = tiles_[t];
     return {w.x, w.y & 0xffff, w.y >> 16, true};
   }
 
   const RowTileWork* tiles_ = nullptr;
-  uint64_t next_ = 0, grid_ = 1, count_ = 0;
+  uint64_t count_ = 0;
 };
 
 // Stores the rows of a (row tile, expert) work tile that belong to the expert (CUTLASS's warp-specialized
@@ -340,6 +389,10 @@ struct RowTileRunner {
   }
 };
 
+// The runner of a row-tile configuration: the forward's here; grouped_gemm_sm90_wgrad_rows.cuh specializes wgrad.
+template <Dtype D, Op O>
+struct RowsRunner : RowTileRunner<D, O> {};
+
 }  // namespace moe_core::cuda::sm90
 
 namespace cutlass::gemm::kernel::detail {
@@ -353,11 +406,11 @@ struct TileSchedulerSelector<moe_core::cuda::sm90::RowTileSchedulerTag, arch::Sm
   namespace moe_core::cuda::sm90::detail {                                                                 \
   template <>                                                                                              \
   size_t workspace_bytes<Dtype::DTYPE, Op::OP, Tile::kRows128x256>(const Problem& p, int sm_count) {       \
-    return RowTileRunner<Dtype::DTYPE, Op::OP>::workspace(p, sm_count);                                    \
+    return RowsRunner<Dtype::DTYPE, Op::OP>::workspace(p, sm_count);                                       \
   }                                                                                                        \
   template <>                                                                                              \
   void launch<Dtype::DTYPE, Op::OP, Tile::kRows128x256>(const Problem& p, void* w, int s, cudaStream_t st) { \
-    RowTileRunner<Dtype::DTYPE, Op::OP>::launch(p, w, s, st);                                              \
+    RowsRunner<Dtype::DTYPE, Op::OP>::launch(p, w, s, st);                                                 \
   }                                                                                                        \
   }
 

@@ -7,6 +7,8 @@ runs both back ends on the same cases.
 Legend: T rows, K reduction width, N output width, E experts. All tests need a GPU (marked ``gpu``).
 """
 
+import re
+
 import pytest
 import torch
 
@@ -111,8 +113,8 @@ def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight
     check_against_float64(counts, 520, 384, torch.bfloat16, trans_weight)
 
 
-def test_bf16_forward_takes_the_row_tile_kernel_by_default(monkeypatch, capfd):
-    # The heuristics' own pick (no MOE_CORE_GEMM_TILE) for a bf16 forward.
+def test_bf16_takes_the_static_descriptor_kernels_by_default(monkeypatch, capfd):
+    # The heuristics' own pick (no MOE_CORE_GEMM_TILE) for a bf16 forward and wgrad.
     monkeypatch.delenv("MOE_CORE_GEMM_TILE", raising=False)
     monkeypatch.setenv("MOE_CORE_GEMM_DEBUG", "1")
     torch.manual_seed(8)
@@ -120,6 +122,7 @@ def test_bf16_forward_takes_the_row_tile_kernel_by_default(monkeypatch, capfd):
     err = capfd.readouterr().err
     if torch.cuda.get_device_capability() == (9, 0) and "built without sm_90a" not in err:
         assert "forward (weight [E, K, N]): E=2 m=2048 n=8192 k=64 -> tile 128x256x64 cooperative row tiles" in err
+        assert re.search(r"wgrad: E=2 m=64 n=8192 .* -> tile 128x256x64 cooperative cluster 2x1 row ranges", err)
 
 
 @pytest.mark.parametrize("n", [33, 40])
@@ -250,6 +253,20 @@ def test_wgrad_of_experts_past_the_rows_is_zero(dtype):
     dw = torch.ops.moe_core.grouped_gemm_wgrad(x, dy, counts, False)
     torch.testing.assert_close(dw[0].double(), x.double().t() @ dy.double(), rtol=2e-2, atol=2e-2)
     assert torch.equal(dw[1:], torch.zeros(2, 16, 8, device="cuda", dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_wgrad_of_an_expert_reads_only_its_rows(dtype):
+    # dW[e] depends on expert e's rows alone: infinities in expert 1's rows, which the sm_90a row-range kernel
+    # loads into expert 0's last k-tile and masks, must not reach dW[0] (0 * inf is NaN); expert 2's last
+    # k-tile runs past T.
+    counts = torch.tensor([5, 70, 3], device="cuda")
+    x, dy = torch.randn(78, 136, device="cuda", dtype=dtype), torch.randn(78, 40, device="cuda", dtype=dtype)
+    x[5:75], dy[5:75] = float("inf"), float("inf")
+    dw = torch.ops.moe_core.grouped_gemm_wgrad(x, dy, counts, False)
+    for e, rows in ((0, slice(0, 5)), (2, slice(75, 78))):
+        ref = x[rows].double().t() @ dy[rows].double()
+        torch.testing.assert_close(dw[e].double(), ref, rtol=2e-2, atol=2e-2)
 
 
 def test_zero_reduction_width_and_no_experts():

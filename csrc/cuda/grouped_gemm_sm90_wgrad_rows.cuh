@@ -1,0 +1,346 @@
+// The row-range wgrad on sm_90a: d[e] = a_e^T b_e over each expert's rows, with static TMA descriptors.
+//
+// The pointer-array wgrad (grouped_gemm_sm90.cuh) rewrites a group's TMA descriptors on the device whenever a
+// CTA moves to another expert, which with 128 experts is nearly every tile. On one H100 (2026-11-22) cuBLAS's
+// strided-batched product, which needs equal counts, ran the Qwen3-30B fc1 wgrad (128 experts of 512 rows) at
+// 656 TFLOP/s where torch._grouped_mm ran 542. This path keeps the descriptors static for any counts: CUTLASS's
+// plain kernel runs a batch over L = E experts whose A and B descriptors cover all T rows (batch stride 0); a
+// work tile (row tile of d, column tile, expert e) reads its k-tiles from e's first row on (TMA coordinates are
+// element indices, so the start need not be tile-aligned), and the consumer warpgroups zero the rows of the
+// last k-tile that lie past e's rows (the next expert's) in shared memory before their MMAs. An expert with no
+// rows has no k-tiles and its tiles store zeros; every d[e] is written by the GEMM itself. No host sync: the
+// counts become row offsets in one small kernel, and the work list is E x row tiles x column tiles.
+// Measured (H100, interleaved A/B against the pointer-array pick): 3-8% faster where an expert's d[e] has under
+// two waves of tiles, 1-3% slower with hundreds of tiles per expert (pick_schedule chooses by that); cuBLAS's
+// batched kernel still runs the equal-count case 15-20% faster (docs/kernel_notes.md, v6).
+#pragma once
+
+#include "grouped_gemm_sm90_rows.cuh"
+
+#if defined(MOE_CORE_WITH_SM90)
+
+#include "cutlass/arch/barrier.h"
+
+namespace moe_core::cuda::sm90 {
+
+// The reduction of one work tile: the expert's rows [row_start, row_start + rows) in k-tiles. CUTLASS's kernel
+// advances its pipelines by the k-tile count, which this converts to.
+struct RowRange {
+  int32_t row_start = 0;
+  int32_t rows = 0;
+  int32_t k_tiles = 0;
+  CUTLASS_HOST_DEVICE operator int() const { return k_tiles; }
+};
+
+struct RowRangeSchedulerTag {};
+
+// Walks the work units u = (e * cluster columns + cluster column) * cluster rows + cluster row, one per cluster
+// of CM x CN CTAs, so the clusters running at once share an expert's rows in L2, and the CTAs of a cluster
+// share the expert (its row range) and their multicast operand tiles.
+// An expert's rows [begin, end), as the row offsets hold them.
+struct RowBounds {
+  int64_t begin = 0, end = 0;
+};
+
+template <class ClusterShape>
+class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowBounds> {
+  using Walk = AheadWalk<RowRangeScheduler<ClusterShape>, RowBounds>;
+  friend Walk;
+  using Base = typename Walk::Base;
+  static constexpr int kClusterM = cute::size<0>(ClusterShape{}), kClusterN = cute::size<1>(ClusterShape{});
+
+ public:
+  struct WorkTileInfo : Base::WorkTileInfo {
+    int32_t row_start = 0;
+    int32_t rows = 0;
+    CUTLASS_HOST_DEVICE static WorkTileInfo invalid_work_tile() { return {}; }
+  };
+  struct Arguments : Base::Arguments {
+    const int64_t* offsets = nullptr;  // [E + 1] row offsets on the device
+  };
+  struct Params : Base::Params {
+    const int64_t* offsets = nullptr;
+    int32_t units_m = 0, units_n = 0;  // clusters along a row and a column of d[e]'s tiles
+    uint64_t total = 0;
+  };
+
+  template <class ProblemShapeMNKL, class TileShape, class Cluster, class... Rest>
+  static Params to_underlying_arguments(ProblemShapeMNKL shape, TileShape tile, Cluster cluster,
+                                        cutlass::KernelHardwareInfo const& hw, Arguments const& args, Rest... rest) {
+    auto params = Walk::template base_params<Params>(shape, tile, cluster, hw, args, rest...);
+    params.offsets = args.offsets;
+    params.units_m = cute::ceil_div(cute::ceil_div(cute::get<0>(shape), cute::get<0>(tile)), kClusterM);
+    params.units_n = cute::ceil_div(cute::ceil_div(cute::get<1>(shape), cute::get<1>(tile)), kClusterN);
+    params.total = uint64_t(params.units_m) * params.units_n * cute::get<3>(shape);
+    return params;
+  }
+
+  template <class ProblemShape, class TileShape>
+  CUTLASS_HOST_DEVICE static RowRange get_work_k_tile_count(WorkTileInfo const& work, ProblemShape, TileShape) {
+    constexpr int kBlockK = cute::size<2>(TileShape{});
+    return {work.row_start, work.rows, (work.rows + kBlockK - 1) / kBlockK};
+  }
+
+  RowRangeScheduler() = default;
+  CUTLASS_DEVICE explicit RowRangeScheduler(Params const& params) : Walk(params), params_(params) {}
+
+ private:
+  CUTLASS_DEVICE uint64_t end() const { return params_.total; }
+  CUTLASS_DEVICE uint64_t expert_of(uint64_t u) const { return u / params_.units_m / params_.units_n; }
+  CUTLASS_DEVICE RowBounds fetch(uint64_t u) const {
+    if (u >= params_.total) return {};
+    return {params_.offsets[expert_of(u)], params_.offsets[expert_of(u) + 1]};
+  }
+
+  // A tile past d[e]'s edge (odd tile counts) still loads and multicasts (TMA fills zeros) and stores nothing.
+  CUTLASS_DEVICE WorkTileInfo work(uint64_t u, RowBounds rows) const {
+    WorkTileInfo w;
+    if (u >= params_.total) return w;
+    const dim3 in_cluster = cute::block_id_in_cluster();
+    w.M_idx = static_cast<int32_t>(u % params_.units_m) * kClusterM + in_cluster.x;
+    w.N_idx = static_cast<int32_t>(u / params_.units_m % params_.units_n) * kClusterN + in_cluster.y;
+    w.L_idx = static_cast<int32_t>(expert_of(u));
+    w.is_valid_tile = true;
+    w.row_start = static_cast<int32_t>(rows.begin);
+    w.rows = static_cast<int32_t>(rows.end - rows.begin);
+    return w;
+  }
+
+  Params params_;
+};
+
+}  // namespace moe_core::cuda::sm90
+
+namespace cutlass::gemm::kernel::detail {
+template <class TileShape, class ClusterShape, uint32_t Stages>
+struct TileSchedulerSelector<moe_core::cuda::sm90::RowRangeSchedulerTag, arch::Sm90, TileShape, ClusterShape,
+                             Stages> {
+  using Scheduler = moe_core::cuda::sm90::RowRangeScheduler<ClusterShape>;
+};
+}  // namespace cutlass::gemm::kernel::detail
+
+namespace moe_core::cuda::sm90 {
+
+// CUTLASS's TMA + wgmma mainloop (`Built`, from its collective builder) with each work tile's k-tiles taken
+// from its expert's row range instead of from k = 0, and the rows past the range masked.
+template <class Built>
+struct RowRangeMainloop : Built {
+  using typename Built::MainloopPipeline;
+  using typename Built::Params;
+  using typename Built::PipelineState;
+  using typename Built::SmemLayoutA;
+  using typename Built::SmemLayoutB;
+  using typename Built::TensorStorage;
+  using typename Built::TiledMma;
+  using typename Built::TileShape;
+  using ClusterShape = typename Built::DispatchPolicy::ClusterShape;
+  static constexpr int kBlockM = cute::size<0>(TileShape{});
+  static constexpr int kBlockN = cute::size<1>(TileShape{});
+  static constexpr int kBlockK = cute::size<2>(TileShape{});
+  static constexpr int kThreads = cute::size(TiledMma{});  // the consumer warpgroups
+  static constexpr int kVector = 16 / sizeof(typename TiledMma::ValTypeA);
+  static constexpr uint32_t kMaskBarrier = 0;  // a user named barrier (CUTLASS offsets it past its reserved ones)
+
+  // The kernel's tiled views (BLK, BLK_K, m|n, k, l) plus the untiled TMA tensors (m|n, k, l) this load shifts.
+  template <class ProblemShapeMNKL>
+  CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const& shape, Params const& params) const {
+    const auto tiled = Built::load_init(shape, params);
+    auto [M, N, K, L] = shape;
+    return cute::make_tuple(cute::get<0>(tiled), cute::get<1>(tiled),
+                            params.tma_load_a.get_tma_tensor(cute::make_shape(M, K, L)),
+                            params.tma_load_b.get_tma_tensor(cute::make_shape(N, K, L)));
+  }
+
+  template <class LoadInputs, class BlockCoord, class KTileIterator>
+  CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState write,
+                           LoadInputs const& inputs, BlockCoord const& blk_coord, KTileIterator, RowRange range, int,
+                           uint32_t block_rank, TensorStorage& shared) {
+    using namespace cute;
+    if (!elect_one_sync()) return;
+    Tensor sA = make_tensor(make_smem_ptr(shared.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(shared.smem_B.data()), SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+    const auto [m, n, k, l] = blk_coord;
+    const auto from_row = make_coord(0, range.row_start, 0);
+    Tensor gA = local_tile(domain_offset(from_row, get<2>(inputs)), TileShape{}, make_coord(_, _, _),
+                           Step<_1, Underscore, _1>{})(_, _, m, _, l);  // (BLK_M, BLK_K, k)
+    Tensor gB = local_tile(domain_offset(from_row, get<3>(inputs)), TileShape{}, make_coord(_, _, _),
+                           Step<Underscore, _1, _1>{})(_, _, n, _, l);  // (BLK_N, BLK_K, k)
+    // In a CM x CN cluster the CN CTAs of a cluster row share (multicast) the A tile, each loading a slice of
+    // it for all; likewise the CM CTAs of a column share B.
+    const Layout cluster = Layout<ClusterShape>{};  // (m, n) -> rank
+    const int cm = block_rank % size<0>(cluster), cn = block_rank / size<0>(cluster);
+    auto tma_a = params.tma_load_a.get_slice(cn);
+    auto tma_b = params.tma_load_b.get_slice(cm);
+    uint16_t mask_a = 0, mask_b = 0;
+    for (int j = 0; j < size<1>(cluster); ++j) mask_a |= uint16_t(1) << cluster(cm, j, 0);
+    for (int i = 0; i < size<0>(cluster); ++i) mask_b |= uint16_t(1) << cluster(i, cn, 0);
+    Tensor tAgA = tma_a.partition_S(gA);  // (TMA, TMA_M, TMA_K, k)
+    Tensor tAsA = tma_a.partition_D(sA);  // (TMA, TMA_M, TMA_K, PIPE)
+    Tensor tBgB = tma_b.partition_S(gB);
+    Tensor tBsB = tma_b.partition_D(sB);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int kt = 0; kt < range.k_tiles; ++kt) {
+      pipeline.producer_acquire(write);
+      auto* barrier = pipeline.producer_get_barrier(write);
+      copy(params.tma_load_a.with(*barrier, mask_a), tAgA(_, _, _, kt), tAsA(_, _, _, write.index()));
+      copy(params.tma_load_b.with(*barrier, mask_b), tBgB(_, _, _, kt), tBsB(_, _, _, write.index()));
+      ++write;
+    }
+  }
+
+  // Leaves the last k-tile's stage to CUTLASS's mma_tail, as its own mma does (one wgmma batch in flight).
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState read, FrgTensorC& accum, RowRange range,
+                          int thread_idx, TensorStorage& shared, Params const&) {
+    using namespace cute;
+    Tensor sA = make_tensor(make_smem_ptr(shared.smem_A.data()), SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared.smem_B.data()), SmemLayoutB{});
+    TiledMma tiled_mma;
+    const int warp_group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    auto thread_mma = tiled_mma.get_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
+    if (range.k_tiles == 0) {  // an expert without rows: its d[e] tile is zeros
+      clear(accum);
+      return;
+    }
+    PipelineState release = read;
+    tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(accum);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int kt = 0; kt < range.k_tiles; ++kt) {
+      pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
+      const int stage = read.index();
+      const int valid = range.rows - kt * kBlockK;
+      if (valid < kBlockK) mask_rows_from(sA, sB, stage, valid, thread_idx);
+      warpgroup_fence_operand(accum);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      if (kt > 0) {  // the previous k-tile's MMAs are done: hand its stage back to the producer
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(accum);
+        pipeline.consumer_release(release);
+        ++release;
+      }
+      ++read;
+    }
+    warpgroup_fence_operand(accum);
+  }
+
+ private:
+  // Zeros the k-rows [valid, kBlockK) of both operands in `stage`: they hold the next expert's rows (or TMA's
+  // zeros past T), and zeroing both keeps a non-finite value there out of this expert's sum (0 x inf is NaN).
+  // All consumer threads take part and meet before any MMA reads the stage; the fence orders the writes
+  // before wgmma's (async proxy) reads.
+  template <class TensorA, class TensorB>
+  CUTLASS_DEVICE static void mask_rows_from(TensorA& sA, TensorB& sB, int stage, int valid, int thread_idx) {
+    zero_rows_from<kBlockM>(sA, stage, valid, thread_idx);
+    zero_rows_from<kBlockN>(sB, stage, valid, thread_idx);
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(kThreads, kMaskBarrier);
+  }
+
+  // 16-byte vectors: both operands are M/N-major (a and b are row-major [T, m] and [T, n]), so 8 consecutive
+  // m (or n) of one k share a swizzle unit.
+  template <int kExtent, class SmemTensor>
+  CUTLASS_DEVICE static void zero_rows_from(SmemTensor& s, int stage, int valid, int thread_idx) {
+    constexpr int kPerRow = kExtent / kVector;
+    for (int i = thread_idx; i < (kBlockK - valid) * kPerRow; i += kThreads) {
+      *reinterpret_cast<uint4*>(&s(i % kPerRow * kVector, valid + i / kPerRow, stage)) = make_uint4(0, 0, 0, 0);
+    }
+  }
+  static_assert(cutlass::gemm::detail::is_major<0, typename Built::StrideA>() &&
+                cutlass::gemm::detail::is_major<0, typename Built::StrideB>(), "A and B must be M/N-major");
+};
+
+// 128x256x64 cooperative, cluster 2x1 (the dy tile multicast to two row tiles of d[e]), CUTLASS's TMA epilogue
+// in 128x32 subtiles with 4 store stages instead of the builder's 2 (fewer waits on the previous subtile's
+// store). Against 128x256 1x1 and 256x128 1x1/1x2, 1x2 and 2 store stages, this led by 1-3% in geomean over
+// the benchmark's wgrad shapes in two H100 runs (docs/kernel_notes.md).
+template <Dtype D>
+struct WgradRowsConfig {
+  using Element = typename ElementOf<D>::type;
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using LayoutA = typename LayoutsOf<Op::kWgrad>::A;
+  using LayoutB = typename LayoutsOf<Op::kWgrad>::B;
+  using LayoutD = cutlass::layout::RowMajor;
+  using Epilogue = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+      TileShape, cute::Shape<cute::_128, cute::_32>, float, float, void, LayoutD, 8, Element, LayoutD, 8,
+      cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>,
+      // StagesC (no source: unused), StagesD, values per thread per subtile, ReuseSmemC, DelayTmaStore
+      cutlass::epilogue::Sm90TmaWarpSpecialized<4, 4, 16, false, true>>::CollectiveOp;
+  using Built = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
+      TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, RowRangeMainloop<Built>,
+                                                      Epilogue, RowRangeSchedulerTag>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
+template <class CountT>
+__global__ void __launch_bounds__(kListThreads) row_offsets(const CountT* counts, Problem p, int64_t* offsets) {
+  scan_row_offsets<kListThreads>(counts, p.num_experts, p.num_rows, offsets);
+}
+
+template <Dtype D>
+struct RowsRunner<D, Op::kWgrad> {
+  using C = WgradRowsConfig<D>;
+
+  static typename C::Gemm::Arguments arguments(const Problem& p, const int64_t* offsets, int sm_count) {
+    typename C::Kernel::StrideA stride_a{};  // a [T, m]: M-contiguous, every expert reads all T rows
+    cute::get<1>(stride_a) = p.m;
+    typename C::Kernel::StrideB stride_b{};  // b [T, n]: N-contiguous
+    cute::get<1>(stride_b) = p.n;
+    typename C::Kernel::StrideD stride_d{};  // d [E, m, n]
+    cute::get<0>(stride_d) = p.n;
+    cute::get<2>(stride_d) = p.m * p.n;
+    cutlass::KernelHardwareInfo hw;
+    hw.sm_count = sm_count;
+    typename C::Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {static_cast<int>(p.m), static_cast<int>(p.n), static_cast<int>(p.num_rows),
+         static_cast<int>(p.num_experts)},
+        {static_cast<const typename C::Element*>(p.a), stride_a, static_cast<const typename C::Element*>(p.b),
+         stride_b},
+        {{}, nullptr, stride_d, static_cast<typename C::Element*>(p.d), stride_d},
+        hw};
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    // The walk is RowRangeScheduler's own; AlongM only fixes the launch grid's shape (a 1-D row of clusters).
+    args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongM;
+    args.scheduler.offsets = offsets;
+    return args;
+  }
+
+  static size_t workspace(const Problem& p, int) { return (p.num_experts + 1) * sizeof(int64_t); }
+
+  static void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
+    auto* offsets = static_cast<int64_t*>(workspace);
+    if (p.counts_int32) {
+      row_offsets<<<1, kListThreads, 0, stream>>>(static_cast<const int32_t*>(p.counts), p, offsets);
+    } else {
+      row_offsets<<<1, kListThreads, 0, stream>>>(static_cast<const int64_t*>(p.counts), p, offsets);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    typename C::Gemm gemm;
+    cutlass::Status status = gemm.initialize(arguments(p, offsets, sm_count), nullptr, stream);
+    TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row-range wgrad): CUTLASS initialize "
+                "failed: ", cutlassGetStatusString(status));
+    status = gemm.run(stream);
+    TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row-range wgrad): CUTLASS run failed: ",
+                cutlassGetStatusString(status));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+}  // namespace moe_core::cuda::sm90
+
+#endif  // MOE_CORE_WITH_SM90
