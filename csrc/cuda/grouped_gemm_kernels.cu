@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(kThreads) row_offsets_kernel(const CountT* cou
     const int64_t e = base + threadIdx.x;
     // Negative counts count as empty and offsets are clamped to T: bad counts (unchecked, a check would sync)
     // can only mis-assign rows, never touch memory outside x and y.
-    const int64_t count = e < num_experts ? max(static_cast<int64_t>(counts[e]), int64_t{0}) : 0;
+    // Clamping each count to T keeps the sums from wrapping.
+    const int64_t count = e < num_experts ? min(max(static_cast<int64_t>(counts[e]), int64_t{0}), num_rows) : 0;
     int64_t incl, total;
     Scan(temp).InclusiveSum(count, incl, total);
     __syncthreads();

@@ -177,16 +177,21 @@ __device__ __forceinline__ Stride leading_stride(int64_t ld) {
 
 constexpr int kPrepareThreads = 256;
 
-// The rows of experts [0, end): max(count, 0) summed, on every thread of a block of `Threads` threads.
+// An expert's count as rows: negative counts are empty, and none exceeds T, so sums over experts cannot wrap
+// (bad counts, unchecked on the device, may mis-assign rows but never reach memory outside the operands).
+template <class CountT>
+__device__ __forceinline__ int64_t rows_of(CountT count, int64_t num_rows) {
+  return min(max(static_cast<int64_t>(count), int64_t{0}), num_rows);
+}
+
+// The rows of experts [0, end) summed, on every thread of a block of `Threads` threads.
 template <int Threads = kPrepareThreads, class CountT>
-__device__ int64_t rows_before(const CountT* counts, int64_t end) {
+__device__ int64_t rows_before(const CountT* counts, int64_t end, int64_t num_rows) {
   using Reduce = cub::BlockReduce<int64_t, Threads>;
   __shared__ typename Reduce::TempStorage temp;
   __shared__ int64_t total;
   int64_t partial = 0;
-  for (int64_t i = threadIdx.x; i < end; i += Threads) {
-    partial += max(static_cast<int64_t>(counts[i]), int64_t{0});
-  }
+  for (int64_t i = threadIdx.x; i < end; i += Threads) partial += rows_of(counts[i], num_rows);
   const int64_t sum = Reduce(temp).Sum(partial);
   if (threadIdx.x == 0) total = sum;
   __syncthreads();
@@ -220,7 +225,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C>
   if (blockIdx.x > 0) {
     if constexpr (C::kForward) {
       if (e != 0) return;
-      const int64_t rows = min(rows_before(counts, p.num_experts), p.num_rows);
+      const int64_t rows = min(rows_before(counts, p.num_experts, p.num_rows), p.num_rows);
       zero_fill(d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element));
     } else if constexpr (C::kOp == Op::kWgrad) {
       if (e == 0) zero_fill(g.zeros, 0, (p.m + p.n) * sizeof(Element));
@@ -229,10 +234,10 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C>
     }
     return;
   }
-  const int64_t before = rows_before(counts, e);
+  const int64_t before = rows_before(counts, e, p.num_rows);
   if (threadIdx.x != 0) return;
   const int64_t count = max(static_cast<int64_t>(counts[e]), int64_t{0});
-  const int64_t r0 = min(before, p.num_rows), r1 = min(before + count, p.num_rows);
+  const int64_t r0 = min(before, p.num_rows), r1 = min(before + rows_of(counts[e], p.num_rows), p.num_rows);
   const auto* a = static_cast<const Element*>(p.a);
   const auto* b = static_cast<const Element*>(p.b);
   if constexpr (C::kForward) {

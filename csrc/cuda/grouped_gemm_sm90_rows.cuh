@@ -57,8 +57,8 @@ struct RowTileArrays {
 
 constexpr int kListThreads = 1024;
 
-// Row offsets [E + 1] of the experts, clamped to [0, num_rows] (negative counts count as empty), computed by
-// every thread of a block of `Threads` threads; on return all threads see them.
+// Row offsets [E + 1] of the experts, clamped to [0, num_rows] (rows_of), computed by every thread of a block
+// of `Threads` threads; on return all threads see them.
 template <int Threads, class CountT>
 __device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t num_rows, int64_t* offsets) {
   using Scan = cub::BlockScan<int64_t, Threads>;
@@ -66,12 +66,12 @@ __device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t 
   const int64_t per_thread = (experts + Threads - 1) / Threads;
   const int64_t e0 = min(threadIdx.x * per_thread, experts), e1 = min(e0 + per_thread, experts);
   int64_t mine = 0;
-  for (int64_t e = e0; e < e1; ++e) mine += max(static_cast<int64_t>(counts[e]), int64_t{0});
+  for (int64_t e = e0; e < e1; ++e) mine += rows_of(counts[e], num_rows);
   int64_t before = 0;
   Scan(temp).ExclusiveSum(mine, before);
   for (int64_t e = e0; e < e1; ++e) {
     offsets[e] = min(before, num_rows);
-    before += max(static_cast<int64_t>(counts[e]), int64_t{0});
+    before += rows_of(counts[e], num_rows);
   }
   if (threadIdx.x == Threads - 1) offsets[experts] = min(before, num_rows);
   __syncthreads();
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, 
   const auto* counts = static_cast<const CountT*>(p.counts);
   const int64_t experts = p.num_experts, col_tiles = (p.n + bn - 1) / bn;
   if (blockIdx.x > 0) {
-    const int64_t rows = min(rows_before<kListThreads>(counts, experts), p.num_rows);
+    const int64_t rows = min(rows_before<kListThreads>(counts, experts, p.num_rows), p.num_rows);
     zero_fill(p.d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element));
     return;
   }
@@ -221,7 +221,7 @@ class RowTileScheduler : public AheadWalk<RowTileScheduler, RowTileWork> {
   CUTLASS_DEVICE RowTileWork fetch(uint64_t t) const { return t < count_ ? tiles_[t] : RowTileWork{}; }
   CUTLASS_DEVICE WorkTileInfo work(uint64_t t, RowTileWork w) const {
     if (t >= count_) return WorkTileInfo::invalid_work_tile();
-    return {w.x, w.y & 0xffff, w.y >> 16, true};
+    return {w.x, w.y & 0xffff, static_cast<int32_t>(static_cast<uint32_t>(w.y) >> 16), true};
   }
 
   const RowTileWork* tiles_ = nullptr;

@@ -9,7 +9,8 @@
 // element indices, so the start need not be tile-aligned), and the consumer warpgroups zero the rows of the
 // last k-tile that lie past e's rows (the next expert's) in shared memory before their MMAs. An expert with no
 // rows has no k-tiles and its tiles store zeros; every d[e] is written by the GEMM itself. No host sync: the
-// counts become row offsets in one small kernel, and the work list is E x row tiles x column tiles.
+// counts become row offsets in one small kernel, and the work units (expert, cluster of tiles) follow from
+// the shapes.
 // Measured (H100, interleaved A/B against the pointer-array pick): 3-8% faster where an expert's d[e] has under
 // two waves of tiles, 1-3% slower with hundreds of tiles per expert (pick_schedule chooses by that); cuBLAS's
 // batched kernel still runs the equal-count case 15-20% faster (docs/kernel_notes.md, v6).
@@ -34,13 +35,15 @@ struct RowRange {
 
 struct RowRangeSchedulerTag {};
 
-// Walks the work units u = (e * cluster columns + cluster column) * cluster rows + cluster row, one per cluster
-// of CM x CN CTAs, so the clusters running at once share an expert's rows in L2, and the CTAs of a cluster
-// share the expert (its row range) and their multicast operand tiles.
 // An expert's rows [begin, end), as the row offsets hold them.
 struct RowBounds {
   int64_t begin = 0, end = 0;
 };
+
+// Walks the work units u = (e * units_n + unit column) * units_m + unit row, one per cluster of CM x CN CTAs
+// (units_m clusters down d[e]'s rows of tiles, units_n across its columns), so the clusters running at once
+// share an expert's rows in L2, and the CTAs of a cluster share the expert (its row range) and their
+// multicast operand tiles.
 
 template <class ClusterShape>
 class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowBounds> {
@@ -60,7 +63,7 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   };
   struct Params : Base::Params {
     const int64_t* offsets = nullptr;
-    int32_t units_m = 0, units_n = 0;  // clusters along a row and a column of d[e]'s tiles
+    int32_t units_m = 0, units_n = 0;  // clusters down d[e]'s rows of tiles and across its columns
     uint64_t total = 0;
   };
 
@@ -78,7 +81,7 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   template <class ProblemShape, class TileShape>
   CUTLASS_HOST_DEVICE static RowRange get_work_k_tile_count(WorkTileInfo const& work, ProblemShape, TileShape) {
     constexpr int kBlockK = cute::size<2>(TileShape{});
-    return {work.row_start, work.rows, (work.rows + kBlockK - 1) / kBlockK};
+    return {work.row_start, work.rows, work.rows / kBlockK + (work.rows % kBlockK != 0)};
   }
 
   RowRangeScheduler() = default;
@@ -159,7 +162,9 @@ struct RowRangeMainloop : Built {
     if (!elect_one_sync()) return;
     Tensor sA = make_tensor(make_smem_ptr(shared.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
     Tensor sB = make_tensor(make_smem_ptr(shared.smem_B.data()), SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
-    const auto [m, n, k, l] = blk_coord;
+    const auto m = get<0>(blk_coord);
+    const auto n = get<1>(blk_coord);
+    const auto l = get<3>(blk_coord);
     const auto from_row = make_coord(0, range.row_start, 0);
     Tensor gA = local_tile(domain_offset(from_row, get<2>(inputs)), TileShape{}, make_coord(_, _, _),
                            Step<_1, Underscore, _1>{})(_, _, m, _, l);  // (BLK_M, BLK_K, k)

@@ -269,6 +269,21 @@ def test_wgrad_of_an_expert_reads_only_its_rows(dtype):
         torch.testing.assert_close(dw[e].double(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_counts_summing_past_int64_do_not_wrap(dtype):
+    # Unchecked GPU counts whose sum overflows int64: each count is clamped to T before the prefix sums, so
+    # expert 0 takes every row and the others are empty instead of negative offsets reaching outside memory.
+    counts = torch.tensor([1 << 62, 1 << 62, 1 << 62, 3], device="cuda")
+    x, dy = torch.randn(10, 64, device="cuda", dtype=dtype), torch.randn(10, 32, device="cuda", dtype=dtype)
+    w = torch.randn(4, 64, 32, device="cuda", dtype=dtype) / 8
+    poison_allocator()
+    y = torch.ops.moe_core.grouped_gemm(x, w, counts, False)
+    dw = torch.ops.moe_core.grouped_gemm_wgrad(x, dy, counts, False)
+    torch.testing.assert_close(y.double(), x.double() @ w[0].double(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dw[0].double(), x.double().t() @ dy.double(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(dw[1:], torch.zeros(3, 64, 32, device="cuda", dtype=dtype))
+
+
 def test_zero_reduction_width_and_no_experts():
     x, w = torch.randn(5, 0, device="cuda"), torch.randn(2, 0, 4, device="cuda")
     assert torch.equal(grouped_gemm(x, w, torch.tensor([2, 3], device="cuda")), torch.zeros(5, 4, device="cuda"))
