@@ -53,7 +53,8 @@ struct Schedule {
 // Wgrad: a = the operand whose columns become d[e]'s rows ([T, m] row-major), b = [T, n] row-major,
 // d = [E, m, n]; k unused (each expert's reduction length comes from the counts).
 // The counts stay on the device: the prepare kernel turns them into row ranges (negative counts count as
-// empty, ranges are clamped to [0, num_rows]: bad counts can mis-assign rows, never touch memory outside).
+// empty, each count is clamped to num_rows before the prefix sums, which cannot wrap, and ranges are clamped
+// to [0, num_rows]: bad counts can mis-assign rows, never touch memory outside).
 struct Problem {
   Dtype dtype = Dtype::kBf16;
   Op op = Op::kForwardKN;
