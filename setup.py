@@ -53,6 +53,8 @@ def _extension():
     # portable kernels serve every GPU.
     if "90a" in archs and cutlass:
         macros.append(("MOE_CORE_WITH_SM90", "1"))
+        # CUTLASS's kernels then wait for and release programmatic dependents (PDL; see launch_dependent).
+        macros.append(("CUTLASS_ENABLE_GDC_FOR_SM90", "1"))
     return CUDAExtension(
         "moe_core._C", sources + cuda_sources,
         include_dirs=[os.path.abspath("csrc")] + cutlass,

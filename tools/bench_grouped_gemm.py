@@ -2,8 +2,9 @@
 
 Passes: forward (y = x_e W_e), dgrad (dx = dy_e W_e^T), wgrad (dW_e = x_e^T dy_e) and forward+backward (all
 three). Each timing is the median of per-iteration CUDA-event times, warm-up and measurement both measured
-in milliseconds (so clocks settle whatever the problem size), repeated in interleaved rounds over all
-providers (so drift hits them alike); the spread between rounds is reported as the noise floor. Inputs rotate
+in milliseconds (so clocks settle whatever the problem size), repeated in rounds; within a round each pass is
+timed for every provider in turn, in an order reversed every other round (so drift and the GPU's clock, which
+follows its recent load, hit them alike); the spread between rounds is reported as the noise floor. Inputs rotate
 over enough copies to exceed L2. TFLOP/s count 2 T K N per pass (6 T K N for forward+backward). The dense
 provider multiplies the same total rows by one weight: the ceiling a grouped kernel can hope for.
 
@@ -73,7 +74,7 @@ class Timing:
     rounds: int
 
 
-FULL = Timing(warmup_ms=30.0, measure_ms=60.0, min_iters=20, rounds=2)
+FULL = Timing(warmup_ms=30.0, measure_ms=60.0, min_iters=20, rounds=6)
 QUICK = Timing(warmup_ms=15.0, measure_ms=25.0, min_iters=10, rounds=1)
 
 
@@ -165,21 +166,25 @@ def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = 
     passes = PASSES[:3] if sweep else PASSES
     rounds: dict = {}  # (provider, schedule, pass) -> [median of each round]
     failed = set()
-    for _ in range(timing.rounds):
-        for provider, env in configs:
-            os.environ.update(env or {})
-            fns = pass_fns(provider, counts_gpu, counts.tolist())
-            for name in passes:
+    fns = [pass_fns(provider, counts_gpu, counts.tolist()) for provider, _ in configs]
+    for round_ in range(timing.rounds):
+        # Pass by pass, every provider in turn, the order reversed every other round: the GPU's clock follows
+        # its recent load, so each provider should follow the same work as often as the others.
+        order = list(range(len(configs)))[:: 1 if round_ % 2 == 0 else -1]
+        for name in passes:
+            for i in order:
+                provider, env = configs[i]
                 key = (provider, schedule_name(env), name)
                 if key in failed:
                     continue
+                os.environ.update(env or {})
                 try:
-                    rounds.setdefault(key, []).append(time_ms(fns[name], inputs, timing))
+                    rounds.setdefault(key, []).append(time_ms(fns[i][name], inputs, timing))
                 except RuntimeError as err:  # e.g. torch._grouped_mm unsupported on this GPU or shape
                     print(f"  {provider} {name}: {str(err).splitlines()[0]}", file=sys.stderr)
                     failed.add(key)
-            for var in env or {}:
-                os.environ.pop(var)
+                for var in env or {}:
+                    os.environ.pop(var)
     result = dict(spec, empty_experts=int((counts == 0).sum()), ms={}, tflops={}, round_spread={})
     for (provider, schedule, name), medians in rounds.items():
         ms = statistics.median(medians)

@@ -198,6 +198,18 @@ __device__ int64_t rows_before(const CountT* counts, int64_t end, int64_t num_ro
   return total;
 }
 
+// Launches `kernel` as a programmatic dependent of the stream's previous kernel (PDL): its blocks may start
+// while that kernel drains, and must run griddepcontrol.wait (cutlass::arch::wait_on_dependent_grids) before
+// touching global memory. Hides the launch latency of the small kernels that list an op's work.
+template <class... Params, class... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{grid, block, 0, stream, &attribute, 1};
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
 // Zeros bytes [begin, end) of `base` (16-byte multiples) with the blocks of grid columns 1.. of one row.
 __device__ __forceinline__ void zero_fill(void* base, int64_t begin, int64_t end) {
   auto* out = static_cast<uint4*>(base);

@@ -20,6 +20,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "cutlass/arch/grid_dependency_control.h"
 #include "cutlass/epilogue/collective/detail.hpp"
 #include "cutlass/epilogue/thread/linear_combination.h"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
@@ -84,6 +85,8 @@ __device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t 
 // cluster sharing weight tiles, with each expert's row tiles padded to pairs, measured 3% slower overall.)
 template <class Element, class CountT>
 __global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, Problem p, int bm, int bn) {
+  cutlass::arch::wait_on_dependent_grids();  // launched as a programmatic dependent (launch_dependent)
+  cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for this kernel's tiles
   const auto* counts = static_cast<const CountT*>(p.counts);
   const int64_t experts = p.num_experts, col_tiles = (p.n + bn - 1) / bn;
   if (blockIdx.x > 0) {
@@ -150,6 +153,10 @@ class AheadWalk : public cutlass::gemm::kernel::detail::PersistentTileSchedulerS
   AheadWalk() = default;
   template <class DerivedParams>
   CUTLASS_DEVICE explicit AheadWalk(DerivedParams const& params) : Base(params) {
+    // The kernel launches as a programmatic dependent of the one that lists its work (PDL), and every thread
+    // reads that list: all wait here, before the derived scheduler's first read (CUTLASS's own waits cover only
+    // its load warps, after the scheduler is built).
+    cutlass::arch::wait_on_dependent_grids();
     const dim3 id = cute::cluster_id_in_grid(), clusters = cute::cluster_grid_dims();
     next_ = id.x + (uint64_t(id.y) + uint64_t(id.z) * clusters.y) * clusters.x;
     grid_ = uint64_t(clusters.x) * clusters.y * clusters.z;
@@ -228,9 +235,13 @@ class RowTileScheduler : public AheadWalk<RowTileScheduler, RowTileWork> {
   uint64_t count_ = 0;
 };
 
-// Stores the rows of a (row tile, expert) work tile that belong to the expert (CUTLASS's warp-specialized
-// kernels call it through Sm90TmaWarpSpecializedAdapter). The accumulators go to shared memory one 128-column
-// half at a time, then out by one bulk asynchronous copy per row that belongs to the expert.
+// Stores the rows of a (row tile, expert) work tile that belong to the expert, 64 columns at a time through
+// two 128x64 staging buffers in shared memory (CUTLASS's 128-byte swizzle, so the accumulator writes hit every
+// bank once). A tile whose 128 rows all belong to the expert, the common case, leaves by one TMA store per
+// buffer, as CUTLASS's own epilogue does; a tile shared with other experts by 16-byte stores of the expert's
+// rows only. One named barrier per buffer: before it, thread 0 waits until the TMA store of the buffer
+// written one step earlier has read it, so after it that buffer is free for the next step; nobody waits for the
+// last store of a tile (RowTileAdapter::store_tail waits once, before the CTA exits).
 template <class ElementD_, int BM, int BN>
 class RowTileEpilogue {
  public:
@@ -241,11 +252,16 @@ class RowTileEpilogue {
   using GmemTiledCopyC = void;
   using GmemTiledCopyD = void;
   using ThreadEpilogueOp = cutlass::epilogue::thread::LinearCombination<ElementD, 1, float, float>;  // a plain copy
-  static constexpr int kCols = 128;                       // columns staged at a time
-  static constexpr int kPitch = kCols + 16 / sizeof(ElementD);  // one 16-byte pad per row: no bank conflicts
-  static constexpr int kThreads = 256;                    // the two consumer warpgroups
+  static constexpr int kCols = 64;       // one 128-byte swizzle row of 16-bit elements
+  static constexpr int kThreads = 256;   // the two consumer warpgroups
+  using SmemBox = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<ElementD>{},
+                                               cute::Shape<cute::Int<BM>, cute::Int<kCols>>{}));
+  using GmemLayout = cute::Layout<cute::Shape<int, int>, cute::Stride<int64_t, cute::_1>>;
+  using TmaStore = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{},
+                                                cute::make_tensor(cute::make_gmem_ptr<ElementD>(nullptr), GmemLayout{}),
+                                                SmemBox{}));
   struct SharedStorage {
-    alignas(128) ElementD tile[BM * kPitch];
+    alignas(1024) ElementD box[2][BM * kCols];
   };
   using TensorStorage = SharedStorage;
   struct Arguments {
@@ -253,10 +269,21 @@ class RowTileEpilogue {
     int64_t ld = 0;
     const int64_t* offsets = nullptr;
   };
-  using Params = Arguments;
+  struct Params {
+    TmaStore tma;
+    ElementD* ptr_d = nullptr;
+    int64_t ld = 0;
+    const int64_t* offsets = nullptr;
+  };
 
   template <class ProblemShape>
-  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*) { return args; }
+  static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args, void*) {
+    using namespace cute;
+    const GmemLayout y{make_shape(static_cast<int>(get<0>(shape)), static_cast<int>(get<1>(shape))),
+                       make_stride(args.ld, _1{})};
+    return {make_tma_copy(SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(args.ptr_d), y), SmemBox{}), args.ptr_d,
+            args.ld, args.offsets};
+  }
   template <class ProblemShape>
   static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
   template <class ProblemShape>
@@ -277,46 +304,74 @@ class RowTileEpilogue {
                                  cute::Tensor<FrgEngine, FrgLayout> const& accumulators, TiledMma tiled_mma,
                                  ResidueMNK, int thread_idx, char* smem) {
     using namespace cute;
-    static_assert(BN % kCols == 0);
+    // wgmma's accumulator layout (CUTLASS's GMMA CLayout_64xN): value i of a thread lies in column block i / 4
+    // (8 columns), so the values of 64-column box q are i in [32q, 32q + 32), pairs of adjacent columns.
+    static_assert(size(TiledMma{}) == kThreads && BN % kCols == 0);
+    static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 2>(FrgLayout{}) == BN / 8 && size<1>(FrgLayout{}) == 1 &&
+                  size<2>(FrgLayout{}) == 1, "one m64nBNk16 atom per warpgroup");
     const auto [m_coord, n_coord, k_coord, l_coord] = coord;
     const int64_t tile_row = int64_t(m_coord) * BM, tile_col = int64_t(n_coord) * BN;
     const int lo = static_cast<int>(max(params_.offsets[l_coord], tile_row) - tile_row);
     const int hi = static_cast<int>(min(params_.offsets[l_coord + 1], tile_row + BM) - tile_row);
     const int cols = static_cast<int>(min<int64_t>(int64_t(get<1>(problem)) - tile_col, BN));
-    auto* staged = reinterpret_cast<SharedStorage*>(smem)->tile;
-    Tensor where = thread_mma_coords(tiled_mma, thread_idx);
-    static_assert(BM <= kThreads);
+    const bool whole = lo == 0 && hi == BM;
+    auto& storage = *reinterpret_cast<SharedStorage*>(smem);
+    Tensor where = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+    Tensor mY = params_.tma.get_tma_tensor(make_shape(static_cast<int>(get<0>(problem)),
+                                                      static_cast<int>(get<1>(problem))));
+    Tensor gY = local_tile(mY, Shape<Int<BM>, Int<kCols>>{}, make_coord(m_coord, _));  // (BM, kCols, box)
+    auto tma = params_.tma.get_slice(0);
+    cutlass::NumericArrayConverter<ElementD, float, 2> convert;
     CUTLASS_PRAGMA_UNROLL
-    for (int half = 0; half < BN / kCols; ++half) {
-      cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
+    for (int q = 0; q < BN / kCols; ++q) {
+      Tensor box = make_tensor(make_smem_ptr(storage.box[q % 2]), SmemBox{});  // (BM, kCols)
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accumulators); ++i) {
-        const int r = get<0>(where(i)), c = get<1>(where(i)) - half * kCols;
-        if (c >= 0 && c < kCols) staged[r * kPitch + c] = ElementD(accumulators(i));
+      for (int v = 0; v < kCols / 2; v += 2) {  // constant bounds: unrolled, so the accumulators stay registers
+        const int i = q * kCols / 2 + v;
+        cutlass::Array<float, 2> pair;
+        pair[0] = accumulators(i);
+        pair[1] = accumulators(i + 1);
+        const auto packed = convert(pair);
+        const int r = get<0>(where(i)), c = get<1>(where(i)) - q * kCols;
+        *reinterpret_cast<uint32_t*>(&box(r, c)) = reinterpret_cast<uint32_t const&>(packed);
       }
-      cutlass::arch::fence_view_async_shared();  // the writes above, to the bulk copies
+      cutlass::arch::fence_view_async_shared();  // the writes above, to the TMA store
+      if (thread_idx == 0) tma_store_wait<0>();  // the other buffer's store has read it
       cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
-      const int r = thread_idx, bytes = min(cols - half * kCols, kCols) * static_cast<int>(sizeof(ElementD));
-      if (r >= lo && r < hi && bytes > 0) {
-        SM90_BULK_COPY_S2G::copy(staged + r * kPitch,
-                                 params_.ptr_d + (tile_row + r) * params_.ld + tile_col + half * kCols, bytes);
-      }
-      if (thread_idx < BM) {  // the copies have read the staged rows before the next half overwrites them
-        tma_store_arrive();
-        tma_store_wait<0>();
+      if (whole) {
+        if (thread_idx == 0) {
+          copy(params_.tma, tma.partition_S(box), tma.partition_D(gY(_, _, n_coord * (BN / kCols) + q)));
+          tma_store_arrive();
+        }
+      } else {
+        constexpr int kChunk = 16 / sizeof(ElementD);  // a swizzle unit: 16 bytes stay together
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = thread_idx; i < BM * kCols / kChunk; i += kThreads) {
+          const int r = i / (kCols / kChunk), c = i % (kCols / kChunk) * kChunk;
+          if (r >= lo && r < hi && q * kCols + c < cols) {
+            *reinterpret_cast<uint4*>(params_.ptr_d + (tile_row + r) * params_.ld + tile_col + q * kCols + c) =
+                *reinterpret_cast<uint4 const*>(&box(r, c));
+          }
+        }
       }
     }
   }
 
  private:
-  // The (row, column) within the tile of each of this thread's accumulators.
-  template <class TiledMma>
-  CUTLASS_DEVICE static auto thread_mma_coords(TiledMma tiled_mma, int thread_idx) {
-    using Tile = cute::Shape<cute::Int<BM>, cute::Int<BN>>;
-    return tiled_mma.get_thread_slice(thread_idx).partition_C(cute::make_identity_tensor(Tile{}));
-  }
+  Params const& params_;  // the kernel's grid-constant parameters: TMA needs its descriptor there
+};
 
-  Params params_;
+// CUTLASS's adapter for RowTileEpilogue, whose last TMA store of each tile is left in flight: the CTA waits
+// for it once, before it exits.
+template <class Epilogue>
+struct RowTileAdapter : cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue> {
+  using Base = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epilogue>;
+  using Base::Base;
+  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState>
+  CUTLASS_DEVICE auto store_tail(LoadPipeline, LoadState load_state, StorePipeline, StoreState store_state) {
+    cute::tma_store_wait<0>();
+    return cute::make_tuple(load_state, store_state);
+  }
 };
 
 template <Dtype D, Op O>
@@ -327,8 +382,7 @@ struct RowTileConfig {
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = typename LayoutsOf<O>::B;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
-      RowTileEpilogue<Element, 128, 256>>;
+  using Epilogue = RowTileAdapter<RowTileEpilogue<Element, 128, 256>>;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
       TileShape, ClusterShape,
@@ -372,17 +426,14 @@ struct RowTileRunner {
   static void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
     RowTileArrays g(workspace, p);
     const dim3 grid(1 + 16);  // block 0 lists the tiles, the others zero rows past the counts' sum
-    if (p.counts_int32) {
-      list_row_tiles<typename C::Element, int32_t><<<grid, kListThreads, 0, stream>>>(g, p, C::kBlockM, C::kBlockN);
-    } else {
-      list_row_tiles<typename C::Element, int64_t><<<grid, kListThreads, 0, stream>>>(g, p, C::kBlockM, C::kBlockN);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto list = p.counts_int32 ? list_row_tiles<typename C::Element, int32_t>
+                                     : list_row_tiles<typename C::Element, int64_t>;
+    launch_dependent(list, grid, kListThreads, stream, g, p, int{C::kBlockM}, int{C::kBlockN});
     typename C::Gemm gemm;
     cutlass::Status status = gemm.initialize(arguments(p, g, sm_count), nullptr, stream);
     TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row tiles): CUTLASS initialize failed: ",
                 cutlassGetStatusString(status));
-    status = gemm.run(stream);
+    status = gemm.run(stream, nullptr, /*launch_with_pdl=*/true);
     TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row tiles): CUTLASS run failed: ",
                 cutlassGetStatusString(status));
     C10_CUDA_KERNEL_LAUNCH_CHECK();

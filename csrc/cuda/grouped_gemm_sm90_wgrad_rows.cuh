@@ -292,6 +292,8 @@ struct WgradRowsConfig {
 
 template <class CountT>
 __global__ void __launch_bounds__(kListThreads) row_offsets(const CountT* counts, Problem p, int64_t* offsets) {
+  cutlass::arch::wait_on_dependent_grids();  // launched as a programmatic dependent (launch_dependent)
+  cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for the offsets
   scan_row_offsets<kListThreads>(counts, p.num_experts, p.num_rows, offsets);
 }
 
@@ -330,16 +332,17 @@ struct RowsRunner<D, Op::kWgrad> {
   static void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
     auto* offsets = static_cast<int64_t*>(workspace);
     if (p.counts_int32) {
-      row_offsets<<<1, kListThreads, 0, stream>>>(static_cast<const int32_t*>(p.counts), p, offsets);
+      launch_dependent(row_offsets<int32_t>, 1, kListThreads, stream, static_cast<const int32_t*>(p.counts), p,
+                       offsets);
     } else {
-      row_offsets<<<1, kListThreads, 0, stream>>>(static_cast<const int64_t*>(p.counts), p, offsets);
+      launch_dependent(row_offsets<int64_t>, 1, kListThreads, stream, static_cast<const int64_t*>(p.counts), p,
+                       offsets);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
     typename C::Gemm gemm;
     cutlass::Status status = gemm.initialize(arguments(p, offsets, sm_count), nullptr, stream);
     TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row-range wgrad): CUTLASS initialize "
                 "failed: ", cutlassGetStatusString(status));
-    status = gemm.run(stream);
+    status = gemm.run(stream, nullptr, /*launch_with_pdl=*/true);
     TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row-range wgrad): CUTLASS run failed: ",
                 cutlassGetStatusString(status));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
