@@ -199,8 +199,17 @@ __device__ int64_t rows_before(const CountT* counts, int64_t end, int64_t num_ro
 }
 
 // Launches `kernel` as a programmatic dependent of the stream's previous kernel (PDL): its blocks may start
-// while that kernel drains, and must run griddepcontrol.wait (cutlass::arch::wait_on_dependent_grids) before
-// touching global memory. Hides the launch latency of the small kernels that list an op's work.
+// while that kernel drains, and must run wait_for_previous_kernels() before touching global memory. Hides the
+// launch latency of the small kernels that list an op's work.
+// griddepcontrol.wait: returns once the kernels this one depends on (PDL) have finished and their writes are
+// visible. The memory clobber keeps the compiler from moving plain loads and stores above it
+// (cutlass::arch::wait_on_dependent_grids has none).
+__device__ __forceinline__ void wait_for_previous_kernels() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <class... Params, class... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
   cudaLaunchAttribute attribute;

@@ -85,7 +85,7 @@ __device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t 
 // cluster sharing weight tiles, with each expert's row tiles padded to pairs, measured 3% slower overall.)
 template <class Element, class CountT>
 __global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, Problem p, int bm, int bn) {
-  cutlass::arch::wait_on_dependent_grids();  // launched as a programmatic dependent (launch_dependent)
+  wait_for_previous_kernels();  // launched as a programmatic dependent (launch_dependent)
   cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for this kernel's tiles
   const auto* counts = static_cast<const CountT*>(p.counts);
   const int64_t experts = p.num_experts, col_tiles = (p.n + bn - 1) / bn;
@@ -156,7 +156,7 @@ class AheadWalk : public cutlass::gemm::kernel::detail::PersistentTileSchedulerS
     // The kernel launches as a programmatic dependent of the one that lists its work (PDL), and every thread
     // reads that list: all wait here, before the derived scheduler's first read (CUTLASS's own waits cover only
     // its load warps, after the scheduler is built).
-    cutlass::arch::wait_on_dependent_grids();
+    wait_for_previous_kernels();
     const dim3 id = cute::cluster_id_in_grid(), clusters = cute::cluster_grid_dims();
     next_ = id.x + (uint64_t(id.y) + uint64_t(id.z) * clusters.y) * clusters.x;
     grid_ = uint64_t(clusters.x) * clusters.y * clusters.z;
