@@ -198,9 +198,6 @@ __device__ int64_t rows_before(const CountT* counts, int64_t end, int64_t num_ro
   return total;
 }
 
-// Launches `kernel` as a programmatic dependent of the stream's previous kernel (PDL): its blocks may start
-// while that kernel drains, and must run wait_for_previous_kernels() before touching global memory. Hides the
-// launch latency of the small kernels that list an op's work.
 // griddepcontrol.wait: returns once the kernels this one depends on (PDL) have finished and their writes are
 // visible. The memory clobber keeps the compiler from moving plain loads and stores above it
 // (cutlass::arch::wait_on_dependent_grids has none).
@@ -210,6 +207,9 @@ __device__ __forceinline__ void wait_for_previous_kernels() {
 #endif
 }
 
+// Launches `kernel` as a programmatic dependent of the stream's previous kernel (PDL): its blocks may start
+// while that kernel drains, and must run wait_for_previous_kernels() before touching global memory. Hides the
+// launch latency of the small kernels that list an op's work.
 template <class... Params, class... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream, Args&&... args) {
   cudaLaunchAttribute attribute;

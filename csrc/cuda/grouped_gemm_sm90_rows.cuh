@@ -85,7 +85,7 @@ __device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t 
 // cluster sharing weight tiles, with each expert's row tiles padded to pairs, measured 3% slower overall.)
 template <class Element, class CountT>
 __global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, Problem p, int bm, int bn) {
-  wait_for_previous_kernels();  // launched as a programmatic dependent (launch_dependent)
+  wait_for_previous_kernels();               // launched as a programmatic dependent (launch_dependent)
   cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for this kernel's tiles
   const auto* counts = static_cast<const CountT*>(p.counts);
   const int64_t experts = p.num_experts, col_tiles = (p.n + bn - 1) / bn;

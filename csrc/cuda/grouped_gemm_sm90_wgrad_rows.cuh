@@ -292,7 +292,7 @@ struct WgradRowsConfig {
 
 template <class CountT>
 __global__ void __launch_bounds__(kListThreads) row_offsets(const CountT* counts, Problem p, int64_t* offsets) {
-  wait_for_previous_kernels();  // launched as a programmatic dependent (launch_dependent)
+  wait_for_previous_kernels();               // launched as a programmatic dependent (launch_dependent)
   cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for the offsets
   scan_row_offsets<kListThreads>(counts, p.num_experts, p.num_rows, offsets);
 }
