@@ -21,6 +21,7 @@
 #if defined(MOE_CORE_WITH_SM90)
 
 #include "cutlass/arch/barrier.h"
+#include "cutlass/epilogue/thread/activation.h"
 
 namespace moe_core::cuda::sm90 {
 
@@ -266,7 +267,10 @@ struct RowRangeMainloop : Built {
 // 128x256x64 cooperative, cluster 2x1 (the dy tile multicast to two row tiles of d[e]), CUTLASS's TMA epilogue
 // in 128x32 subtiles with 4 store stages instead of the builder's 2 (fewer waits on the previous subtile's
 // store). Against 128x256 1x1 and 256x128 1x1/1x2, 1x2 and 2 store stages, this led by 1-3% in geomean over
-// the benchmark's wgrad shapes in two H100 runs (docs/kernel_notes.md).
+// the benchmark's wgrad shapes in two H100 runs (docs/kernel_notes.md); 256x128 1x2, cuBLAS's pick for the
+// equal-count batch, tied it in an interleaved A/B. The epilogue only converts (d = acc): LinearCombination's
+// alpha = 1 still cost a multiply per element, 128 a thread per tile while the tensor cores wait (wgrad
+// geomean +1.1% without them in an H100 A/B).
 template <Dtype D>
 struct WgradRowsConfig {
   using Element = typename ElementOf<D>::type;
@@ -277,7 +281,10 @@ struct WgradRowsConfig {
   using LayoutD = cutlass::layout::RowMajor;
   using Epilogue = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
       TileShape, cute::Shape<cute::_128, cute::_32>, float, float, void, LayoutD, 8, Element, LayoutD, 8,
-      cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>,
+      cutlass::epilogue::fusion::Sm90EVT<
+          cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
+                                                 cutlass::FloatRoundStyle::round_to_nearest>,
+          cutlass::epilogue::fusion::Sm90AccFetch>,
       // StagesC (no source: unused), StagesD, values per thread per subtile, ReuseSmemC, DelayTmaStore
       cutlass::epilogue::Sm90TmaWarpSpecialized<4, 4, 16, false, true>>::CollectiveOp;
   using Built = typename cutlass::gemm::collective::CollectiveBuilder<
@@ -319,8 +326,6 @@ struct RowsRunner<D, Op::kWgrad> {
          stride_b},
         {{}, nullptr, stride_d, static_cast<typename C::Element*>(p.d), stride_d},
         hw};
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = 0.0f;
     // The walk is RowRangeScheduler's own; AlongM only fixes the launch grid's shape (a 1-D row of clusters).
     args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongM;
     args.scheduler.offsets = offsets;
