@@ -1,0 +1,31 @@
+"""The benchmark's timing order: the compared kernels must follow the same work as often as each other."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import bench_grouped_gemm as bench  # noqa: E402
+
+
+def _predecessors(configs, rounds):
+    """(provider, provider timed just before it) for every timing of `rounds` rounds, passes included."""
+    sequence = [configs[i] for r in range(rounds) for _ in bench.PASSES for i in bench.round_order(configs, r)]
+    return list(zip(sequence[1:], sequence[:-1]))
+
+
+@pytest.mark.parametrize("extra", [[], [("moe_core", {"MOE_CORE_GEMM_TILE": "rows"})]])
+def test_grouped_kernels_never_follow_the_loop_and_alternate(extra):
+    configs = [(p, None) for p in bench.PROVIDERS] + extra
+    pairs = _predecessors(configs, rounds=6)
+    grouped = [c for c in configs if c[0] not in ("loop", "dense")]
+    assert all(before[0] != "loop" for after, before in pairs if after in grouped)
+    # Each grouped kernel comes first in the grouped block (right after dense) equally often.
+    firsts = [after for after, before in pairs if before[0] == "dense"]
+    assert firsts.count(grouped[0]) == firsts.count(grouped[-1]) > 0
+
+
+def test_every_config_is_timed_once_per_round_and_pass():
+    configs = [(p, None) for p in bench.PROVIDERS]
+    for r in range(4):
+        assert sorted(bench.round_order(configs, r)) == list(range(len(configs)))
