@@ -18,7 +18,7 @@ def _predecessors(configs, rounds):
 def test_grouped_kernels_never_follow_the_loop_and_alternate(extra):
     configs = [(p, None) for p in bench.PROVIDERS] + extra
     pairs = _predecessors(configs, rounds=6)
-    grouped = [c for c in configs if c[0] not in ("loop", "dense")]
+    grouped = [c for c in configs if c[0] not in bench.BASELINES]
     assert all(before[0] != "loop" for after, before in pairs if after in grouped)
     # Each grouped kernel comes first in the grouped block (right after dense) equally often.
     firsts = [after for after, before in pairs if before[0] == "dense"]
