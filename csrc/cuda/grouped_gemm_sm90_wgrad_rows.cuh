@@ -13,7 +13,8 @@
 // the shapes.
 // Measured (H100, interleaved A/B against the pointer-array pick): 3-8% faster where an expert's d[e] has under
 // two waves of tiles, 1-3% slower with hundreds of tiles per expert (pick_schedule chooses by that); cuBLAS's
-// batched kernel still runs the equal-count case 15-20% faster (docs/kernel_notes.md, v6).
+// batched kernel ran the equal-count case 12% faster before v9's scheduler fix, about 6% after
+// (docs/kernel_notes.md, v9).
 #pragma once
 
 #include "grouped_gemm_sm90_rows.cuh"
@@ -22,6 +23,7 @@
 
 #include "cutlass/arch/barrier.h"
 #include "cutlass/epilogue/thread/activation.h"
+#include "cutlass/fast_math.h"
 
 namespace moe_core::cuda::sm90 {
 
@@ -64,7 +66,11 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   };
   struct Params : Base::Params {
     const int64_t* offsets = nullptr;
-    int32_t units_m = 0, units_n = 0;  // clusters down d[e]'s rows of tiles and across its columns
+    // Clusters down d[e]'s rows of tiles, and those times the clusters across its columns, as multiply-shift
+    // divisors: a work unit's coordinates come from u at every tile, on the consumers' path between the
+    // epilogue and the next MMAs, where plain 64-bit divisions stalled the tensor cores (H100 Nsight Compute
+    // warp samples: 7% of them in the Qwen3-30B fc1 wgrad).
+    cutlass::FastDivmodU64 units_m, units_mn;
     uint64_t total = 0;
   };
 
@@ -73,9 +79,11 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
                                         cutlass::KernelHardwareInfo const& hw, Arguments const& args, Rest... rest) {
     auto params = Walk::template base_params<Params>(shape, tile, cluster, hw, args, rest...);
     params.offsets = args.offsets;
-    params.units_m = cute::ceil_div(cute::ceil_div(cute::get<0>(shape), cute::get<0>(tile)), kClusterM);
-    params.units_n = cute::ceil_div(cute::ceil_div(cute::get<1>(shape), cute::get<1>(tile)), kClusterN);
-    params.total = uint64_t(params.units_m) * params.units_n * cute::get<3>(shape);
+    const uint64_t units_m = cute::ceil_div(cute::ceil_div(cute::get<0>(shape), cute::get<0>(tile)), kClusterM);
+    const uint64_t units_n = cute::ceil_div(cute::ceil_div(cute::get<1>(shape), cute::get<1>(tile)), kClusterN);
+    params.units_m = cutlass::FastDivmodU64(units_m);
+    params.units_mn = cutlass::FastDivmodU64(units_m * units_n);
+    params.total = units_m * units_n * cute::get<3>(shape);
     return params;
   }
 
@@ -86,24 +94,27 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   }
 
   RowRangeScheduler() = default;
-  CUTLASS_DEVICE explicit RowRangeScheduler(Params const& params) : Walk(params), params_(params) {}
+  CUTLASS_DEVICE explicit RowRangeScheduler(Params const& params)
+      : Walk(params), params_(params), in_cluster_(cute::block_id_in_cluster()) {}
 
  private:
   CUTLASS_DEVICE uint64_t end() const { return params_.total; }
-  CUTLASS_DEVICE uint64_t expert_of(uint64_t u) const { return u / params_.units_m / params_.units_n; }
   CUTLASS_DEVICE RowBounds fetch(uint64_t u) const {
     if (u >= params_.total) return {};
-    return {params_.offsets[expert_of(u)], params_.offsets[expert_of(u) + 1]};
+    const uint64_t e = params_.units_mn.divide(u);
+    return {params_.offsets[e], params_.offsets[e + 1]};
   }
 
   // A tile past d[e]'s edge (odd tile counts) still loads and multicasts (TMA fills zeros) and stores nothing.
   CUTLASS_DEVICE WorkTileInfo work(uint64_t u, RowBounds rows) const {
     WorkTileInfo w;
     if (u >= params_.total) return w;
-    const dim3 in_cluster = cute::block_id_in_cluster();
-    w.M_idx = static_cast<int32_t>(u % params_.units_m) * kClusterM + in_cluster.x;
-    w.N_idx = static_cast<int32_t>(u / params_.units_m % params_.units_n) * kClusterN + in_cluster.y;
-    w.L_idx = static_cast<int32_t>(expert_of(u));
+    uint64_t in_expert, row;
+    const uint64_t e = params_.units_mn.divmod(in_expert, u);
+    const uint64_t column = params_.units_m.divmod(row, in_expert);
+    w.M_idx = static_cast<int32_t>(row) * kClusterM + in_cluster_.x;
+    w.N_idx = static_cast<int32_t>(column) * kClusterN + in_cluster_.y;
+    w.L_idx = static_cast<int32_t>(e);
     w.is_valid_tile = true;
     w.row_start = static_cast<int32_t>(rows.begin);
     w.rows = static_cast<int32_t>(rows.end - rows.begin);
@@ -111,6 +122,7 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   }
 
   Params params_;
+  dim3 in_cluster_;  // read once: each read of the CTA's place in its cluster compiled to a float division
 };
 
 }  // namespace moe_core::cuda::sm90
