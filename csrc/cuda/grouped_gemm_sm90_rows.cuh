@@ -83,7 +83,8 @@ __device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t 
 // pointer-array forward does. Per expert e with rows [r0, r1): row tiles from r0, r0 + bm, ... below r1 times
 // every column tile, walked down the rows (a weight slice stays hot while the rows stream past) unless the
 // expert's rows outweigh its weight (r1 - r0 > n), then across the columns (a row block stays hot). (A 2x1
-// cluster sharing weight tiles, with each expert's row tiles padded to pairs, measured 3% slower overall.)
+// cluster sharing weight tiles measured 1-3% slower overall, with each expert's row tiles padded to pairs and
+// without: docs/kernel_notes.md, v5 and v10.)
 template <class Element, class CountT>
 __global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, Problem p, int bm, int bn) {
   wait_for_previous_kernels();               // launched as a programmatic dependent (launch_dependent)

@@ -282,7 +282,9 @@ struct RowRangeMainloop : Built {
 // the benchmark's wgrad shapes in two H100 runs (docs/kernel_notes.md); 256x128 1x2, cuBLAS's pick for the
 // equal-count batch, tied it in an interleaved A/B. The epilogue only converts (d = acc): LinearCombination's
 // alpha = 1 still cost a multiply per element, 128 a thread per tile while the tensor cores wait (wgrad
-// geomean +1.1% without them in an H100 A/B).
+// geomean +1.1% without them in an H100 A/B). The row tiles' epilogue (two 128x64 boxes, 32-bit shared stores
+// instead of `stmatrix`) ran the wgrad 3-5% slower, also with each warpgroup's MMAs split into two halves so that
+// it could store one half while the other's last MMAs ran (docs/kernel_notes.md, v8 and v10).
 template <Dtype D>
 struct WgradRowsConfig {
   using Element = typename ElementOf<D>::type;
