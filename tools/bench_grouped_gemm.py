@@ -51,6 +51,8 @@ def shapes(quick: bool) -> list[dict]:
         add("Mixtral-8x7B", 4096, 14336, 8, 8192)
         add("DeepSeek-V3", 7168, 2048, 8, 16384)
     add("OLMoE", 2048, 1024, 64, 32768)
+    # The skew target compares like with like: the same experts and rows, uniform against Dirichlet counts.
+    add("Qwen3-30B-A3B", 2048, 768, 128, 32768)
     add("Qwen3-30B-A3B", 2048, 768, 128, 32768, skew=0.3)
     out.append(dict(name="Qwen3-30B-A3B fc1 E64 T256", k=2048, n=1536, e=64, t=256, skew=None))
     return out
@@ -317,6 +319,22 @@ def print_table(results: list[dict]) -> dict:
     return geomeans
 
 
+def skewed_vs_uniform(results: list[dict]) -> dict:
+    """moe_core's TFLOP/s on Dirichlet-skewed counts over the same shape (K, N, E, T) with uniform counts, per
+    pass and skewed shape; printed and returned."""
+    uniform = {(r["k"], r["n"], r["e"], r["t"]): r for r in results if r["skew"] is None}
+    out = {}
+    for r in results:
+        base = uniform.get((r["k"], r["n"], r["e"], r["t"])) if r["skew"] is not None else None
+        if base is None:
+            continue
+        out[r["name"]] = {name: ratio(tf, base["tflops"]["moe_core"].get(name))
+                          for name, tf in r["tflops"]["moe_core"].items()}
+        print(f"{r['name']} / uniform counts, moe_core: " + ", ".join(
+            f"{name} {fmt(v, '.2f')}x" for name, v in out[r["name"]].items()))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
@@ -341,6 +359,7 @@ def main() -> None:
                           indent=1)
         return
     geomeans = print_table(results)
+    skew = skewed_vs_uniform(results)
     if args.tile:
         print_forced_tile(results, args.tile)
     ceilings = device_ceilings()
@@ -353,7 +372,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results,
-                           geomean_vs_grouped_mm=geomeans, empty_call_us=latency, ceilings=ceilings), f, indent=1)
+                           geomean_vs_grouped_mm=geomeans, skewed_vs_uniform=skew, empty_call_us=latency,
+                           ceilings=ceilings), f, indent=1)
 
 
 if __name__ == "__main__":

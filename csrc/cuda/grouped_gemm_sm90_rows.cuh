@@ -134,10 +134,15 @@ __global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, 
   }
 }
 
-// CUTLASS's static persistent scheduler walking units of our own: cluster c (a CTA when unclustered) takes
-// units c, c + G, ... (G clusters). `Derived` supplies `fetch(u)` (the part of unit u in global memory),
-// `work(u, fetched)` (its WorkTileInfo, invalid from `end()` on) and `end()`. Each fetch is issued one unit
-// ahead, so its latency hides behind the current unit's MMAs instead of stalling the consumers between tiles.
+// CUTLASS's static persistent scheduler walking units of our own in rounds of G (the clusters, or CTAs when
+// unclustered): in round s, cluster c takes unit s G + c when s is even and s G + G - 1 - c when s is odd. The
+// units running at once are those of plain round robin (c, c + G, ...), so L2 sees the same working set, but a
+// cluster that drew a round's costliest unit draws its cheapest next: where unit costs fall along the walk (the
+// wgrad's experts sorted by rows), the clusters' totals stay level instead of the first clusters' piling up
+// (Longest Processing Time first; Graham, 1969). `Derived` supplies `fetch(u)` (the part of unit u in global
+// memory), `work(u, fetched)` (its WorkTileInfo, invalid from `end()` on) and `end()`. Each fetch is issued one
+// unit ahead, so its latency hides behind the current unit's MMAs instead of stalling the consumers between
+// tiles.
 template <class Derived, class Fetched>
 class AheadWalk : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
  protected:
@@ -160,22 +165,26 @@ class AheadWalk : public cutlass::gemm::kernel::detail::PersistentTileSchedulerS
     // its load warps, after the scheduler is built).
     wait_for_previous_kernels();
     const dim3 id = cute::cluster_id_in_grid(), clusters = cute::cluster_grid_dims();
-    next_ = id.x + (uint64_t(id.y) + uint64_t(id.z) * clusters.y) * clusters.x;
     grid_ = uint64_t(clusters.x) * clusters.y * clusters.z;
+    const uint64_t cluster = id.x + (uint64_t(id.y) + uint64_t(id.z) * clusters.y) * clusters.x;
+    next_ = cluster;
+    // From an even round's unit to the next odd round's is 2 G - 1 - 2 c, from there to the next even's 2 c + 1.
+    step_ = 2 * (grid_ - cluster) - 1;
   }
 
   template <class ClusterShape>
   CUTLASS_DEVICE auto initial_work_tile_info(ClusterShape) {
     const Fetched first = self().fetch(next_);
-    ahead_ = self().fetch(next_ + grid_);
+    ahead_ = self().fetch(next_ + step_);
     return self().work(next_, first);
   }
 
   template <class Work>
   CUTLASS_DEVICE auto fetch_next_work(Work) {
-    next_ += grid_;
+    next_ += step_;
+    step_ = 2 * grid_ - step_;
     const auto next = self().work(next_, ahead_);
-    ahead_ = self().fetch(next_ + grid_);
+    ahead_ = self().fetch(next_ + step_);
     return cute::make_tuple(next, true);
   }
   template <class Work, class Pipeline, class PipelineState>
@@ -183,16 +192,18 @@ class AheadWalk : public cutlass::gemm::kernel::detail::PersistentTileSchedulerS
     return fetch_next_work(current);
   }
 
+  // Units grow along a cluster's walk; an even number of rounds ahead keeps the parity (G units per round).
   template <class Work>
   CUTLASS_DEVICE bool is_last_tile(Work&, uint32_t advance = 1) const {
-    return next_ + grid_ * advance >= self().end();
+    const uint64_t unit = advance % 2 ? next_ + step_ + grid_ * (advance - 1) : next_ + grid_ * advance;
+    return unit >= self().end();
   }
 
  private:
   CUTLASS_DEVICE Derived& self() { return static_cast<Derived&>(*this); }
   CUTLASS_DEVICE Derived const& self() const { return static_cast<Derived const&>(*this); }
 
-  uint64_t next_ = 0, grid_ = 1;
+  uint64_t next_ = 0, grid_ = 1, step_ = 1;  // step_: from this cluster's unit to its next
   Fetched ahead_{};
 };
 

@@ -9,8 +9,8 @@
 // element indices, so the start need not be tile-aligned), and the consumer warpgroups zero the rows of the
 // last k-tile that lie past e's rows (the next expert's) in shared memory before their MMAs. An expert with no
 // rows has no k-tiles and its tiles store zeros; every d[e] is written by the GEMM itself. No host sync: the
-// counts become row offsets in one small kernel, and the work units (expert, cluster of tiles) follow from
-// the shapes.
+// counts become row offsets and the experts' order by rows (the costliest walked first) in one small kernel,
+// and the work units (expert, cluster of tiles) follow from the shapes.
 // Measured (H100, interleaved A/B against the pointer-array pick): 3-8% faster where an expert's d[e] has under
 // two waves of tiles, 1-3% slower with hundreds of tiles per expert (pick_schedule chooses by that); cuBLAS's
 // batched kernel ran the equal-count case 12% faster before v9's scheduler fix, about 6% after
@@ -38,15 +38,19 @@ struct RowRange {
 
 struct RowRangeSchedulerTag {};
 
-// An expert's rows [begin, end), as the row offsets hold them.
+// An expert and its rows [begin, end), as the row offsets hold them.
 struct RowBounds {
   int64_t begin = 0, end = 0;
+  int32_t expert = 0;
 };
 
-// Walks the work units u = (e * units_n + unit column) * units_m + unit row, one per cluster of CM x CN CTAs
-// (units_m clusters down d[e]'s rows of tiles, units_n across its columns), so the clusters running at once
-// share an expert's rows in L2, and the CTAs of a cluster share the expert (its row range) and their
-// multicast operand tiles.
+// Walks the work units u = (i * units_n + unit column) * units_m + unit row, one per cluster of CM x CN CTAs
+// (units_m clusters down d[e]'s rows of tiles, units_n across its columns) of the i-th expert e = order[i] by
+// rows, most first, so the clusters running at once share an expert's rows in L2, and the CTAs of a cluster
+// share the expert (its row range) and their multicast operand tiles. A unit costs about its expert's k-tiles
+// plus a fixed epilogue; walked in rounds (AheadWalk) from the costliest down, every cluster ends near the same
+// time however skewed the counts (an H100 model of Dirichlet(0.3) counts, 128 experts: slowest cluster over
+// mean 1.26 in expert order, 1.01 sorted; docs/kernel_notes.md, v11).
 
 template <class ClusterShape>
 class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowBounds> {
@@ -63,9 +67,11 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   };
   struct Arguments : Base::Arguments {
     const int64_t* offsets = nullptr;  // [E + 1] row offsets on the device
+    const int32_t* order = nullptr;    // [E] the experts by rows, most first
   };
   struct Params : Base::Params {
     const int64_t* offsets = nullptr;
+    const int32_t* order = nullptr;
     // Clusters down d[e]'s rows of tiles, and those times the clusters across its columns, as multiply-shift
     // divisors: a work unit's coordinates come from u at every tile, on the consumers' path between the
     // epilogue and the next MMAs, where plain 64-bit divisions stalled the tensor cores (H100 Nsight Compute
@@ -79,6 +85,7 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
                                         cutlass::KernelHardwareInfo const& hw, Arguments const& args, Rest... rest) {
     auto params = Walk::template base_params<Params>(shape, tile, cluster, hw, args, rest...);
     params.offsets = args.offsets;
+    params.order = args.order;
     const uint64_t units_m = cute::ceil_div(cute::ceil_div(cute::get<0>(shape), cute::get<0>(tile)), kClusterM);
     const uint64_t units_n = cute::ceil_div(cute::ceil_div(cute::get<1>(shape), cute::get<1>(tile)), kClusterN);
     params.units_m = cutlass::FastDivmodU64(units_m);
@@ -101,8 +108,8 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   CUTLASS_DEVICE uint64_t end() const { return params_.total; }
   CUTLASS_DEVICE RowBounds fetch(uint64_t u) const {
     if (u >= params_.total) return {};
-    const uint64_t e = params_.units_mn.divide(u);
-    return {params_.offsets[e], params_.offsets[e + 1]};
+    const int32_t e = params_.order[params_.units_mn.divide(u)];
+    return {params_.offsets[e], params_.offsets[e + 1], e};
   }
 
   // A tile past d[e]'s edge (odd tile counts) still loads and multicasts (TMA fills zeros) and stores nothing.
@@ -110,11 +117,11 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
     WorkTileInfo w;
     if (u >= params_.total) return w;
     uint64_t in_expert, row;
-    const uint64_t e = params_.units_mn.divmod(in_expert, u);
+    params_.units_mn.divmod(in_expert, u);
     const uint64_t column = params_.units_m.divmod(row, in_expert);
     w.M_idx = static_cast<int32_t>(row) * kClusterM + in_cluster_.x;
     w.N_idx = static_cast<int32_t>(column) * kClusterN + in_cluster_.y;
-    w.L_idx = static_cast<int32_t>(e);
+    w.L_idx = rows.expert;
     w.is_valid_tile = true;
     w.row_start = static_cast<int32_t>(rows.begin);
     w.rows = static_cast<int32_t>(rows.end - rows.begin);
@@ -311,18 +318,42 @@ struct WgradRowsConfig {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
+// Up to this many experts, order_by_rows sorts them; past it (the ranking is quadratic in E) they keep their
+// own order and the balance rests on the round walk alone.
+constexpr int kSortedExperts = 1024;
+
+// order[i]: the expert with the i-th most rows, ties by index. An expert's place is the number of experts
+// ahead of it: more rows, or as many and a lower index.
+__device__ void order_by_rows(const int64_t* offsets, int64_t experts, int32_t* order) {
+  __shared__ int64_t rows[kSortedExperts];
+  const bool sort = experts <= kSortedExperts;
+  for (int64_t e = threadIdx.x; sort && e < experts; e += kListThreads) rows[e] = offsets[e + 1] - offsets[e];
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < experts; e += kListThreads) {
+    int64_t place = e;
+    if (sort) {
+      place = 0;
+      for (int64_t j = 0; j < experts; ++j) place += rows[j] > rows[e] || (rows[j] == rows[e] && j < e);
+    }
+    order[place] = static_cast<int32_t>(e);
+  }
+}
+
 template <class CountT>
-__global__ void __launch_bounds__(kListThreads) row_offsets(const CountT* counts, Problem p, int64_t* offsets) {
+__global__ void __launch_bounds__(kListThreads) row_offsets(const CountT* counts, Problem p, int64_t* offsets,
+                                                            int32_t* order) {
   wait_for_previous_kernels();               // launched as a programmatic dependent (launch_dependent)
   cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for the offsets
   scan_row_offsets<kListThreads>(counts, p.num_experts, p.num_rows, offsets);
+  order_by_rows(offsets, p.num_experts, order);
 }
 
 template <Dtype D>
 struct RowsRunner<D, Op::kWgrad> {
   using C = WgradRowsConfig<D>;
 
-  static typename C::Gemm::Arguments arguments(const Problem& p, const int64_t* offsets, int sm_count) {
+  static typename C::Gemm::Arguments arguments(const Problem& p, const int64_t* offsets, const int32_t* order,
+                                               int sm_count) {
     typename C::Kernel::StrideA stride_a{};  // a [T, m]: M-contiguous, every expert reads all T rows
     cute::get<1>(stride_a) = p.m;
     typename C::Kernel::StrideB stride_b{};  // b [T, n]: N-contiguous
@@ -343,22 +374,29 @@ struct RowsRunner<D, Op::kWgrad> {
     // The walk is RowRangeScheduler's own; AlongM only fixes the launch grid's shape (a 1-D row of clusters).
     args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongM;
     args.scheduler.offsets = offsets;
+    args.scheduler.order = order;
     return args;
   }
 
-  static size_t workspace(const Problem& p, int) { return (p.num_experts + 1) * sizeof(int64_t); }
+  // The row offsets [E + 1], then the experts' order [E].
+  static size_t workspace(const Problem& p, int) {
+    using W = WorkspaceCarver;
+    return W::bytes((p.num_experts + 1) * sizeof(int64_t)) + W::bytes(p.num_experts * sizeof(int32_t));
+  }
 
   static void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
-    auto* offsets = static_cast<int64_t*>(workspace);
+    WorkspaceCarver w{static_cast<char*>(workspace)};
+    auto* offsets = w.take<int64_t>((p.num_experts + 1) * sizeof(int64_t));
+    auto* order = w.take<int32_t>(p.num_experts * sizeof(int32_t));
     if (p.counts_int32) {
       launch_dependent(row_offsets<int32_t>, 1, kListThreads, stream, static_cast<const int32_t*>(p.counts), p,
-                       offsets);
+                       offsets, order);
     } else {
       launch_dependent(row_offsets<int64_t>, 1, kListThreads, stream, static_cast<const int64_t*>(p.counts), p,
-                       offsets);
+                       offsets, order);
     }
     typename C::Gemm gemm;
-    cutlass::Status status = gemm.initialize(arguments(p, offsets, sm_count), nullptr, stream);
+    cutlass::Status status = gemm.initialize(arguments(p, offsets, order, sm_count), nullptr, stream);
     TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row-range wgrad): CUTLASS initialize "
                 "failed: ", cutlassGetStatusString(status));
     status = gemm.run(stream, nullptr, /*launch_with_pdl=*/true);

@@ -296,6 +296,17 @@ def test_wgrad_of_an_expert_reads_only_its_rows(dtype):
         torch.testing.assert_close(dw[e].double(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("num_experts", [300, 1100], ids=["sorted", "unsorted"])
+def test_wgrad_walks_every_expert_whatever_its_place(num_experts):
+    # The sm_90a row-range wgrad walks the experts by rows, most first (up to 1024 experts, kSortedExperts),
+    # else in their own order: every expert's gradient must land in its own slot either way. Skewed counts with
+    # ties (many 0s and 1s) and a few heavy experts.
+    gen = torch.Generator().manual_seed(num_experts)
+    counts = torch.randint(0, 3, (num_experts,), generator=gen) ** 4
+    counts[torch.randint(0, num_experts, (4,), generator=gen)] = torch.tensor([700, 300, 130, 64])
+    check_against_float64(counts, 64, 256, torch.bfloat16, trans_weight=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_counts_summing_past_int64_do_not_wrap(dtype):
     # Unchecked GPU counts whose sum overflows int64: each count is clamped to T before the prefix sums, so

@@ -29,3 +29,15 @@ def test_every_config_is_timed_once_per_round_and_pass():
     configs = [(p, None) for p in bench.PROVIDERS]
     for r in range(4):
         assert sorted(bench.round_order(configs, r)) == list(range(len(configs)))
+
+
+def test_skewed_shapes_are_compared_with_the_same_shape_under_uniform_counts():
+    def result(t, skew, tflops):
+        return dict(name=f"T{t} {skew}", k=2048, n=1536, e=128, t=t, skew=skew,
+                    tflops={"moe_core": {"fwd": tflops}})
+
+    results = [result(65536, None, 600.0), result(32768, None, 500.0), result(32768, 0.3, 400.0),
+               result(16384, 0.3, 300.0)]  # the last has no uniform twin: no ratio
+    assert bench.skewed_vs_uniform(results) == {"T32768 0.3": {"fwd": 0.8}}
+    names = [s["name"] for s in bench.shapes(quick=True)]
+    assert all(n.removesuffix(" skewed") in names for n in names if n.endswith(" skewed"))
