@@ -138,11 +138,11 @@ __global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, 
 // unclustered): in round s, cluster c takes unit s G + c when s is even and s G + G - 1 - c when s is odd. The
 // units running at once are those of plain round robin (c, c + G, ...), so L2 sees the same working set, but a
 // cluster that drew a round's costliest unit draws its cheapest next: where unit costs fall along the walk (the
-// wgrad's experts sorted by rows), the clusters' totals stay level instead of the first clusters' piling up
-// (Longest Processing Time first; Graham, 1969). `Derived` supplies `fetch(u)` (the part of unit u in global
-// memory), `work(u, fetched)` (its WorkTileInfo, invalid from `end()` on) and `end()`. Each fetch is issued one
-// unit ahead, so its latency hides behind the current unit's MMAs instead of stalling the consumers between
-// tiles.
+// wgrad's experts sorted by rows), the clusters' totals stay level instead of the first clusters' piling up (a
+// static, serpentine stand-in for Graham's Longest Processing Time first, 1969, which would hand each unit to
+// the least-loaded cluster). `Derived` supplies `fetch(u)` (the part of unit u in global memory), `work(u,
+// fetched)` (its WorkTileInfo, invalid from `end()` on) and `end()`. Each fetch is issued one unit ahead, so its
+// latency hides behind the current unit's MMAs instead of stalling the consumers between tiles.
 template <class Derived, class Fetched>
 class AheadWalk : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
  protected:

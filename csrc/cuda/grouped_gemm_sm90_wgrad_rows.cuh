@@ -323,8 +323,9 @@ struct WgradRowsConfig {
 constexpr int kSortedExperts = 1024;
 
 // order[i]: the expert with the i-th most rows, ties by index. An expert's place is the number of experts
-// ahead of it: more rows, or as many and a lower index.
-__device__ void order_by_rows(const int64_t* offsets, int64_t experts, int32_t* order) {
+// ahead of it: more rows, or as many and a lower index. The GEMM waits for this: E^2 compares in one block,
+// about a microsecond at the benchmark's 128 experts, tens of microseconds at 1024 (estimates, not measured).
+inline __device__ void order_by_rows(const int64_t* offsets, int64_t experts, int32_t* order) {
   __shared__ int64_t rows[kSortedExperts];
   const bool sort = experts <= kSortedExperts;
   for (int64_t e = threadIdx.x; sort && e < experts; e += kListThreads) rows[e] = offsets[e + 1] - offsets[e];
