@@ -3,8 +3,8 @@
 Passes: forward (y = x_e W_e), dgrad (dx = dy_e W_e^T), wgrad (dW_e = x_e^T dy_e) and forward+backward (all
 three). Each timing is the median of per-iteration CUDA-event times, warm-up and measurement both measured
 in milliseconds (so clocks settle whatever the problem size), repeated in rounds; within a round each pass is
-timed for every provider in turn (round_order), so drift and the GPU's clock, which follows its recent load, hit
-the grouped kernels alike; the spread between rounds is reported as the noise floor. Inputs rotate
+timed for every provider in turn (timing_plan), so drift and the GPU's clock, which follows its recent load, hit
+the compared kernels alike; the spread between rounds is reported as the noise floor. Inputs rotate
 over enough copies to exceed L2. TFLOP/s count 2 T K N per pass (6 T K N for forward+backward). The dense
 provider multiplies the same total rows by one weight: the ceiling a grouped kernel can hope for.
 
@@ -31,7 +31,6 @@ import moe_core.ops  # noqa: F401  (registers torch.ops.moe_core.*)
 
 PASSES = ("fwd", "dgrad", "wgrad", "fwd+bwd")
 PROVIDERS = ("moe_core", "torch._grouped_mm", "loop", "dense")
-BASELINES = ("loop", "dense")  # the providers that are not grouped kernels
 ROTATE_BYTES = 256 << 20  # about 5x an H100's L2
 
 
@@ -108,20 +107,29 @@ def time_ms(fn, inputs: list, timing: Timing) -> float:
     return statistics.median(time_samples(fn, inputs, timing))
 
 
-def round_order(configs: list, round_: int) -> list[int]:
-    """Indices into configs [(provider, env)] in the order one round times them, pass by pass.
+def timing_plan(configs: list, rounds: int, passes: tuple) -> list[tuple[str, int]]:
+    """(pass, index into configs [(provider, env)]) in the order they are timed.
 
     The GPU's clock follows its recent load: after the per-expert loop, which leaves the GPU idle between its
-    small launches, the next provider runs on a cooler, faster-clocked chip. Reversing the whole order every
-    other round put torch._grouped_mm after the loop in half the rounds and moe_core never: on one H100 that
-    order gave moe_core 1.03x fwd+bwd geomean where this one gave 1.05x, back to back on one build. So the loop
-    and dense run first, then the grouped kernels (moe_core and torch._grouped_mm) in an order reversed every
-    other round: each follows the same busy work as often as the other. Dense, right after the loop, may gain
-    from it: its ceiling errs high.
+    small launches, the next provider runs on a cooler, faster-clocked chip (on one H100 a plan that put
+    torch._grouped_mm after the loop in half the rounds and moe_core never gave moe_core 1.03x fwd+bwd geomean
+    where a fair plan gave 1.05x, back to back on one build). So the loop's rounds come first, and the compared
+    providers (dense, moe_core, torch._grouped_mm, forced schedules) then take their rounds, each round timing
+    every pass for each in turn, the order rotated by one every two rounds and reversed every other round: with
+    three of them the six rounds take all six orders, so each takes each place in a round twice. (Until v12
+    dense ran right after the loop in every round: 763 TFLOP/s on the Qwen3 fc1 E128 forward where this plan
+    measured 669, same build and machine.)
     """
-    first = [i for i, (provider, _) in enumerate(configs) if provider in BASELINES]
-    grouped = [i for i, (provider, _) in enumerate(configs) if provider not in BASELINES]
-    return first + grouped[:: 1 if round_ % 2 == 0 else -1]
+    loop = [i for i, (provider, _) in enumerate(configs) if provider == "loop"]
+    # Dense first: it takes the one timing right after the loop's (round 0's first).
+    compared = sorted((i for i, (provider, _) in enumerate(configs) if provider != "loop"),
+                      key=lambda i: configs[i][0] != "dense")
+    plan = [(name, i) for _ in range(rounds) for name in passes for i in loop]
+    for round_ in range(rounds):
+        shift = round_ // 2 % len(compared)
+        order = compared[shift:] + compared[:shift]
+        plan += [(name, i) for name in passes for i in order[:: 1 if round_ % 2 == 0 else -1]]
+    return plan
 
 
 def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int]):
@@ -186,22 +194,19 @@ def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = 
     rounds: dict = {}  # (provider, schedule, pass) -> [median of each round]
     failed = set()
     fns = [pass_fns(provider, counts_gpu, counts.tolist()) for provider, _ in configs]
-    for round_ in range(timing.rounds):
-        order = round_order(configs, round_)
-        for name in passes:
-            for i in order:
-                provider, env = configs[i]
-                key = (provider, schedule_name(env), name)
-                if key in failed:
-                    continue
-                os.environ.update(env or {})
-                try:
-                    rounds.setdefault(key, []).append(time_ms(fns[i][name], inputs, timing))
-                except RuntimeError as err:  # e.g. torch._grouped_mm unsupported on this GPU or shape
-                    print(f"  {provider} {name}: {str(err).splitlines()[0]}", file=sys.stderr)
-                    failed.add(key)
-                for var in env or {}:
-                    os.environ.pop(var)
+    for name, i in timing_plan(configs, timing.rounds, passes):
+        provider, env = configs[i]
+        key = (provider, schedule_name(env), name)
+        if key in failed:
+            continue
+        os.environ.update(env or {})
+        try:
+            rounds.setdefault(key, []).append(time_ms(fns[i][name], inputs, timing))
+        except RuntimeError as err:  # e.g. torch._grouped_mm unsupported on this GPU or shape
+            print(f"  {provider} {name}: {str(err).splitlines()[0]}", file=sys.stderr)
+            failed.add(key)
+        for var in env or {}:
+            os.environ.pop(var)
     result = dict(spec, empty_experts=int((counts == 0).sum()), ms={}, tflops={}, round_spread={})
     for (provider, schedule, name), medians in rounds.items():
         ms = statistics.median(medians)

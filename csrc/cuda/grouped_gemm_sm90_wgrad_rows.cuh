@@ -21,6 +21,8 @@
 
 #if defined(MOE_CORE_WITH_SM90)
 
+#include <cub/block/block_radix_sort.cuh>
+
 #include "cutlass/arch/barrier.h"
 #include "cutlass/epilogue/thread/activation.h"
 #include "cutlass/fast_math.h"
@@ -318,25 +320,44 @@ struct WgradRowsConfig {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// Up to this many experts, order_by_rows sorts them; past it (the ranking is quadratic in E) they keep their
-// own order and the balance rests on the round walk alone.
-constexpr int kSortedExperts = 1024;
+// Up to this many experts (one a thread of the listing block) order_by_rows sorts them; past it they keep their
+// own order and the balance rests on the round walk alone. Up to kCountedExperts it counts each expert's place,
+// above it radix-sorts.
+constexpr int kSortedExperts = kListThreads;
+constexpr int kCountedExperts = 256;
 
-// order[i]: the expert with the i-th most rows, ties by index. An expert's place is the number of experts
-// ahead of it: more rows, or as many and a lower index. The GEMM waits for this: E^2 compares in one block,
-// about a microsecond at the benchmark's 128 experts, tens of microseconds at 1024 (estimates, not measured).
-inline __device__ void order_by_rows(const int64_t* offsets, int64_t experts, int32_t* order) {
-  __shared__ int64_t rows[kSortedExperts];
-  const bool sort = experts <= kSortedExperts;
-  for (int64_t e = threadIdx.x; sort && e < experts; e += kListThreads) rows[e] = offsets[e + 1] - offsets[e];
-  __syncthreads();
-  for (int64_t e = threadIdx.x; e < experts; e += kListThreads) {
-    int64_t place = e;
-    if (sort) {
-      place = 0;
-      for (int64_t j = 0; j < experts; ++j) place += rows[j] > rows[e] || (rows[j] == rows[e] && j < e);
+// order[i]: the expert with the i-th most rows, ties by index. The GEMM waits for it. Up to kCountedExperts, an
+// expert's place is the number of experts ahead of it (more rows, or as many and a lower index), its compares
+// split over up to a warp of threads and summed by shuffles; above, cub's stable radix sort,
+// descending, over the bits num_rows (< 2^31, the row-range rule) can set, which costs the same at any E.
+// This kernel on an H100 (launch and scan included; docs/kernel_notes.md, v12): 4.3 us at 8 experts, 5.3 at
+// 128, 7.8 at 256, 12.0 at 512 and 1024, where v11's one thread per expert took 4.3, 6.9, 10.9, 27 and 95.
+inline __device__ void order_by_rows(const int64_t* offsets, int64_t experts, int64_t num_rows, int32_t* order) {
+  const int count = static_cast<int>(experts), e = threadIdx.x;
+  if (experts > kSortedExperts) {
+    for (int64_t i = e; i < experts; i += kListThreads) order[i] = static_cast<int32_t>(i);
+  } else if (experts > kCountedExperts) {
+    using Sort = cub::BlockRadixSort<uint32_t, kListThreads, 1, int32_t>;
+    __shared__ typename Sort::TempStorage temp;
+    // Padding threads sort as empty experts behind the real ones (the sort is stable).
+    uint32_t rows[1] = {e < count ? static_cast<uint32_t>(offsets[e + 1] - offsets[e]) : 0u};
+    int32_t expert[1] = {e};
+    Sort(temp).SortDescending(rows, expert, 0, 32 - __clz(static_cast<int>(num_rows)));
+    if (e < count) order[e] = expert[0];
+  } else {
+    __shared__ uint32_t rows[kCountedExperts];
+    if (e < count) rows[e] = static_cast<uint32_t>(offsets[e + 1] - offsets[e]);
+    __syncthreads();
+    // 2^shift threads per expert (at most a warp), each with 8 compares or more (fewer cost more than the shuffles).
+    int shift = 0;
+    while (shift < 5 && (2 * count << shift) <= kListThreads && (16 << shift) <= count) ++shift;
+    const int mine = e >> shift, split = 1 << shift;
+    int place = 0;
+    for (int j = e & (split - 1); mine < count && j < count; j += split) {
+      place += rows[j] > rows[mine] || (rows[j] == rows[mine] && j < mine);
     }
-    order[place] = static_cast<int32_t>(e);
+    for (int s = split / 2; s > 0; s /= 2) place += __shfl_down_sync(0xffffffffu, place, s, split);
+    if (mine < count && (e & (split - 1)) == 0) order[place] = mine;
   }
 }
 
@@ -346,7 +367,7 @@ __global__ void __launch_bounds__(kListThreads) row_offsets(const CountT* counts
   wait_for_previous_kernels();               // launched as a programmatic dependent (launch_dependent)
   cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for the offsets
   scan_row_offsets<kListThreads>(counts, p.num_experts, p.num_rows, offsets);
-  order_by_rows(offsets, p.num_experts, order);
+  order_by_rows(offsets, p.num_experts, p.num_rows, order);
 }
 
 template <Dtype D>

@@ -296,15 +296,23 @@ def test_wgrad_of_an_expert_reads_only_its_rows(dtype):
         torch.testing.assert_close(dw[e].double(), ref, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("num_experts", [300, 1100], ids=["sorted", "unsorted"])
+@pytest.mark.parametrize("num_experts", [200, 256, 257, 1024, 1025, 1100])
 def test_wgrad_walks_every_expert_whatever_its_place(num_experts):
-    # The sm_90a row-range wgrad walks the experts by rows, most first (up to 1024 experts, kSortedExperts),
-    # else in their own order: every expert's gradient must land in its own slot either way. Skewed counts with
-    # ties (many 0s and 1s) and a few heavy experts.
+    # The sm_90a row-range wgrad walks the experts by rows, most first (ranked by counting up to 256 experts,
+    # kCountedExperts, by a radix sort up to 1024, kSortedExperts), else in their own order: every expert's
+    # gradient must land in its own slot either way, on both sides of each limit. Skewed counts with ties (many
+    # 0s and 1s) and a few heavy experts.
     gen = torch.Generator().manual_seed(num_experts)
     counts = torch.randint(0, 3, (num_experts,), generator=gen) ** 4
     counts[torch.randint(0, num_experts, (4,), generator=gen)] = torch.tensor([700, 300, 130, 64])
     check_against_float64(counts, 64, 256, torch.bfloat16, trans_weight=False)
+    # Element by element too: a one-row expert's gradient in another's slot would barely move the norms above.
+    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(x.shape[0], 256, device="cuda", dtype=torch.bfloat16)
+    poison_allocator()
+    dw = torch.ops.moe_core.grouped_gemm_wgrad(x, dy, counts.cuda(), False)
+    ref = grouped_gemm_wgrad_ref(x.double(), dy.double(), counts, False)
+    torch.testing.assert_close(dw.double(), ref, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -348,6 +356,9 @@ def sanitizer_smoke() -> None:
         torch.ops.moe_core.grouped_gemm(torch.empty(0, 64, device="cuda", dtype=torch.bfloat16),
                                         torch.randn(6, 64, 32, device="cuda", dtype=torch.bfloat16),
                                         torch.zeros(6, dtype=torch.int64, device="cuda"), False)
+        many = torch.randint(0, 3, (300,), device="cuda")  # sm_90a: the wgrad's experts radix-sorted by rows
+        x = torch.randn(int(many.sum()), 64, device="cuda", dtype=torch.bfloat16)
+        torch.ops.moe_core.grouped_gemm_wgrad(x, x[:, :32], many, False)
     torch.cuda.synchronize()
     print("sanitizer smoke: done")
 
