@@ -320,18 +320,17 @@ struct WgradRowsConfig {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
-// Up to this many experts (one a thread of the listing block) order_by_rows sorts them; past it they keep their
-// own order and the balance rests on the round walk alone. Up to kCountedExperts it counts each expert's place,
-// above it radix-sorts.
+// order_by_rows ranks up to kSortedExperts experts (one a thread of the listing block); past it they keep their
+// own order and the balance rests on the round walk alone.
 constexpr int kSortedExperts = kListThreads;
 constexpr int kCountedExperts = 256;
 
 // order[i]: the expert with the i-th most rows, ties by index. The GEMM waits for it. Up to kCountedExperts, an
 // expert's place is the number of experts ahead of it (more rows, or as many and a lower index), its compares
-// split over up to a warp of threads and summed by shuffles; above, cub's stable radix sort,
-// descending, over the bits num_rows (< 2^31, the row-range rule) can set, which costs the same at any E.
-// This kernel on an H100 (launch and scan included; docs/kernel_notes.md, v12): 4.3 us at 8 experts, 5.3 at
-// 128, 7.8 at 256, 12.0 at 512 and 1024, where v11's one thread per expert took 4.3, 6.9, 10.9, 27 and 95.
+// split over up to a warp of threads and summed by shuffles; above, cub's stable radix sort, descending, over
+// the bits num_rows (< 2^31, the row-range rule) can set, which costs the same at any E. This kernel on an H100
+// (launch and scan included; docs/kernel_notes.md, v12): 4.3 us at 8 experts, 5.3 at 128, 7.8 at 256, 12.0 at
+// 512 and 1024, where v11's one thread per expert took 4.3, 6.9, 10.9, 27 and 95.
 inline __device__ void order_by_rows(const int64_t* offsets, int64_t experts, int64_t num_rows, int32_t* order) {
   const int count = static_cast<int>(experts), e = threadIdx.x;
   if (experts > kSortedExperts) {
