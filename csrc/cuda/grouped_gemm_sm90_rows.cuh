@@ -454,6 +454,9 @@ struct RowTileRunner {
 
   static void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
     RowTileArrays g(workspace, p);
+    // The listing kernel goes before CUTLASS's initialize, as every sm_90a path orders its launches: the runtime
+    // launch makes the device's context current on this thread (autograd's backward thread may not have it yet),
+    // which the TMA descriptor encoding, a driver call, needs (initialize first: CUDA_ERROR_INVALID_CONTEXT).
     const dim3 grid(1 + 16);  // block 0 lists the tiles, the others zero rows past the counts' sum
     const auto list = p.counts_int32 ? list_row_tiles<typename C::Element, int32_t>
                                      : list_row_tiles<typename C::Element, int64_t>;

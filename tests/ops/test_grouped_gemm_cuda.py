@@ -8,6 +8,8 @@ Legend: T rows, K reduction width, N output width, E experts. All tests need a G
 """
 
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -213,6 +215,24 @@ def test_compile_fullgraph_matches_eager(trans_weight):
     compiled = run(torch.compile(fn, fullgraph=True))
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_first_backward_in_a_fresh_process():
+    # The backward runs on autograd's own thread, where no CUDA runtime call may have made the device's context
+    # current yet. Each sm_90a path launches its listing kernel before CUTLASS encodes TMA descriptors (a driver
+    # call that needs that context): with the encoding first, a fresh process's first backward crashed.
+    script = (
+        "import torch\n"
+        "from moe_core.ops import grouped_gemm\n"
+        "x = torch.randn(300, 520, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "w = torch.randn(8, 520, 384, device='cuda', dtype=torch.bfloat16, requires_grad=True)\n"
+        "counts = torch.tensor([0, 200, 5, 0, 64, 1, 0, 30], device='cuda')\n"
+        "grouped_gemm(x, w, counts).backward(torch.ones(300, 384, device='cuda', dtype=torch.bfloat16))\n"
+        "torch.cuda.synchronize()\n"
+        "assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_forward_backward_has_no_host_sync():
