@@ -219,11 +219,11 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStre
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
-// Zeros bytes [begin, end) of `base` (16-byte multiples) with the blocks of grid columns 1.. of one row.
-__device__ __forceinline__ void zero_fill(void* base, int64_t begin, int64_t end) {
+// Zeros bytes [begin, end) of `base` (16-byte multiples) with `blocks` blocks, of which this is `block`.
+__device__ __forceinline__ void zero_fill(void* base, int64_t begin, int64_t end, int64_t block, int64_t blocks) {
   auto* out = static_cast<uint4*>(base);
-  const int64_t step = static_cast<int64_t>(gridDim.x - 1) * blockDim.x;
-  for (int64_t i = begin / 16 + (blockIdx.x - 1) * blockDim.x + threadIdx.x; i < end / 16; i += step) {
+  const int64_t step = blocks * blockDim.x;
+  for (int64_t i = begin / 16 + block * blockDim.x + threadIdx.x; i < end / 16; i += step) {
     out[i] = make_uint4(0, 0, 0, 0);
   }
 }
@@ -247,11 +247,12 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C>
     if constexpr (C::kForward) {
       if (e != 0) return;
       const int64_t rows = min(rows_before(counts, p.num_experts, p.num_rows), p.num_rows);
-      zero_fill(d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element));
+      zero_fill(d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element), blockIdx.x - 1, gridDim.x - 1);
     } else if constexpr (C::kOp == Op::kWgrad) {
-      if (e == 0) zero_fill(g.zeros, 0, (p.m + p.n) * sizeof(Element));
+      if (e == 0) zero_fill(g.zeros, 0, (p.m + p.n) * sizeof(Element), blockIdx.x - 1, gridDim.x - 1);
       if (counts[e] > 0) return;
-      zero_fill(d, e * p.m * p.n * sizeof(Element), (e + 1) * p.m * p.n * sizeof(Element));
+      zero_fill(d, e * p.m * p.n * sizeof(Element), (e + 1) * p.m * p.n * sizeof(Element), blockIdx.x - 1,
+                gridDim.x - 1);
     }
     return;
   }

@@ -35,7 +35,6 @@ using RowTileWork = int2;
 // and their count, with room for the most the host-known shapes allow.
 struct RowTileArrays {
   int64_t* offsets = nullptr;
-  int64_t* tile_base = nullptr;  // [E + 1]: first work tile of each expert
   int32_t* count = nullptr;
   RowTileWork* tiles = nullptr;
 
@@ -45,92 +44,98 @@ struct RowTileArrays {
   }
   static size_t bytes(const Problem& p, int bm, int bn) {
     using W = WorkspaceCarver;
-    return 2 * W::bytes((p.num_experts + 1) * sizeof(int64_t)) + W::bytes(sizeof(int32_t)) +
+    return W::bytes((p.num_experts + 1) * sizeof(int64_t)) + W::bytes(sizeof(int32_t)) +
            W::bytes(max_tiles(p, bm, bn) * sizeof(RowTileWork));
   }
   RowTileArrays(void* workspace, const Problem& p) {
     WorkspaceCarver w{static_cast<char*>(workspace)};
     offsets = w.take<int64_t>((p.num_experts + 1) * sizeof(int64_t));
-    tile_base = w.take<int64_t>((p.num_experts + 1) * sizeof(int64_t));
     count = w.take<int32_t>(sizeof(int32_t));
     tiles = reinterpret_cast<RowTileWork*>(w.next);  // the rest: bytes() sized it
   }
 };
 
-constexpr int kListThreads = 1024;
+// The listing kernel: B list blocks, then kFillBlocks blocks that zero the rows past the counts' sum (bad counts
+// only), as the pointer-array forward does. The GEMM waits for all of it (PDL), so its latency, not its work, is
+// what counts: every list block scans all the counts itself (no block waits for another), then its warps list
+// the tiles of experts b W + w, b W + w + B W, ... (W warps a block), lanes across one expert's tiles. Nsight
+// Compute on an H100: 4.7-5.5 us (7.0 at 1024 experts, 7.7 for 7168 tiles of 8 experts), where one 1024-thread
+// block that listed every tile took 6.1-11.3 us (17-20 at 1024 experts; docs/kernel_notes.md, v15).
+// Per expert e with rows [r0, r1): row tiles from r0, r0 + bm, ... below r1 times every column tile, walked down
+// the rows (a weight slice stays hot while the rows stream past) unless the expert's rows outweigh its weight
+// (r1 - r0 > n), then across the columns (a row block stays hot). (A 2x1 cluster sharing weight tiles measured
+// 1-3% slower overall, with each expert's row tiles padded to pairs and without: docs/kernel_notes.md, v5, v10.)
+constexpr int kListTileThreads = 256, kListTileWarps = kListTileThreads / 32, kFillBlocks = 16;
+// B = min(ceil(E / W), kMaxListBlocks): a warp then lists at most kExpertsPerWarp experts for E < 32768.
+constexpr int kMaxListBlocks = 128, kExpertsPerWarp = 32;
 
-// Row offsets [E + 1] of the experts, clamped to [0, num_rows] (rows_of), computed by every thread of a block
-// of `Threads` threads; on return all threads see them.
-template <int Threads, class CountT>
-__device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t num_rows, int64_t* offsets) {
-  using Scan = cub::BlockScan<int64_t, Threads>;
-  __shared__ typename Scan::TempStorage temp;
-  const int64_t per_thread = (experts + Threads - 1) / Threads;
-  const int64_t e0 = min(threadIdx.x * per_thread, experts), e1 = min(e0 + per_thread, experts);
-  int64_t mine = 0;
-  for (int64_t e = e0; e < e1; ++e) mine += rows_of(counts[e], num_rows);
-  int64_t before = 0;
-  Scan(temp).ExclusiveSum(mine, before);
-  for (int64_t e = e0; e < e1; ++e) {
-    offsets[e] = min(before, num_rows);
-    before += rows_of(counts[e], num_rows);
-  }
-  if (threadIdx.x == Threads - 1) offsets[experts] = min(before, num_rows);
-  __syncthreads();
+inline int list_blocks(int64_t experts) {
+  const int64_t blocks = std::min<int64_t>((experts + kListTileWarps - 1) / kListTileWarps, kMaxListBlocks);
+  TORCH_CHECK(experts <= blocks * kListTileWarps * kExpertsPerWarp, "grouped_gemm (sm90 row tiles): ", experts,
+              " experts exceed the listing kernel's ", blocks * kListTileWarps * kExpertsPerWarp);
+  return static_cast<int>(blocks);
 }
 
-// Block 0 lists the work tiles; blocks 1.. zero the rows past the counts' sum (bad counts only), as the
-// pointer-array forward does. Per expert e with rows [r0, r1): row tiles from r0, r0 + bm, ... below r1 times
-// every column tile, walked down the rows (a weight slice stays hot while the rows stream past) unless the
-// expert's rows outweigh its weight (r1 - r0 > n), then across the columns (a row block stays hot). (A 2x1
-// cluster sharing weight tiles measured 1-3% slower overall, with each expert's row tiles padded to pairs and
-// without: docs/kernel_notes.md, v5 and v10.)
 template <class Element, class CountT>
-__global__ void __launch_bounds__(kListThreads) list_row_tiles(RowTileArrays g, Problem p, int bm, int bn) {
+__global__ void __launch_bounds__(kListTileThreads) list_row_tiles(RowTileArrays g, Problem p, int bm, int bn) {
   wait_for_previous_kernels();               // launched as a programmatic dependent (launch_dependent)
   cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for this kernel's tiles
   const auto* counts = static_cast<const CountT*>(p.counts);
-  const int64_t experts = p.num_experts, col_tiles = (p.n + bn - 1) / bn;
-  if (blockIdx.x > 0) {
-    const int64_t rows = min(rows_before<kListThreads>(counts, experts, p.num_rows), p.num_rows);
-    zero_fill(p.d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element));
+  const int64_t experts = p.num_experts, num_rows = p.num_rows, col_tiles = (p.n + bn - 1) / bn;
+  const int64_t blocks = gridDim.x - kFillBlocks;
+  if (blockIdx.x >= blocks) {
+    const int64_t rows = min(rows_before<kListTileThreads>(counts, experts, num_rows), num_rows);
+    zero_fill(p.d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element), blockIdx.x - blocks, kFillBlocks);
     return;
   }
-  scan_row_offsets<kListThreads>(counts, experts, p.num_rows, g.offsets);
-  auto tiles_of = [&](int64_t e) {
-    const int64_t r0 = g.offsets[e], r1 = g.offsets[e + 1];
-    return (r1 - r0 + bm - 1) / bm * col_tiles;
-  };
-  const int64_t per_thread = (experts + kListThreads - 1) / kListThreads;
+  // Each thread's experts: their rows, then their tiles from the clamped row offsets (bad counts may clamp an
+  // expert's rows away, so the tiles' scan needs the rows' first).
+  const int64_t per_thread = (experts + kListTileThreads - 1) / kListTileThreads;
   const int64_t e0 = min(threadIdx.x * per_thread, experts), e1 = min(e0 + per_thread, experts);
-  int64_t tiles = 0;
-  for (int64_t e = e0; e < e1; ++e) tiles += tiles_of(e);
-  using Scan = cub::BlockScan<int64_t, kListThreads>;
+  auto tiles_of = [&](int64_t r0, int64_t r1) { return (r1 - r0 + bm - 1) / bm * col_tiles; };
+  using Scan = cub::BlockScan<int64_t, kListTileThreads>;
   __shared__ typename Scan::TempStorage temp;
-  int64_t first = 0;
-  Scan(temp).ExclusiveSum(tiles, first);
-  for (int64_t e = e0; e < e1; ++e) {
-    g.tile_base[e] = first;
-    first += tiles_of(e);
+  int64_t rows = 0, row = 0;
+  for (int64_t e = e0; e < e1; ++e) rows += rows_of(counts[e], num_rows);
+  Scan(temp).ExclusiveSum(rows, row);
+  int64_t tiles = 0, tile = 0;
+  for (int64_t e = e0, r = row; e < e1; r += rows_of(counts[e], num_rows), ++e) {
+    tiles += tiles_of(min(r, num_rows), min(r + rows_of(counts[e], num_rows), num_rows));
   }
-  if (threadIdx.x == kListThreads - 1) {
-    g.tile_base[experts] = first;
-    *g.count = static_cast<int32_t>(first);
+  __syncthreads();  // temp is reused
+  Scan(temp).ExclusiveSum(tiles, tile);
+  // This block's experts e = (k B + b) W + w go to slot k W + w.
+  constexpr int kSlots = kListTileWarps * kExpertsPerWarp;
+  __shared__ int64_t first_row[kSlots], end_row[kSlots], first_tile[kSlots];
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t r0 = min(row, num_rows), r1 = min(row + rows_of(counts[e], num_rows), num_rows);
+    if (blockIdx.x == 0) g.offsets[e] = r0;
+    const int64_t group = e / kListTileWarps;
+    if (group % blocks == blockIdx.x) {
+      const int64_t slot = group / blocks * kListTileWarps + e % kListTileWarps;
+      first_row[slot] = r0;
+      end_row[slot] = r1;
+      first_tile[slot] = tile;
+    }
+    row += rows_of(counts[e], num_rows);
+    tile += tiles_of(r0, r1);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == kListTileThreads - 1) {
+    g.offsets[experts] = min(row, num_rows);
+    *g.count = static_cast<int32_t>(tile);
   }
   __syncthreads();
-  const int64_t total = g.tile_base[experts];
-  for (int64_t t = threadIdx.x; t < total; t += kListThreads) {
-    int64_t lo = 0, hi = experts;  // the expert lo with tile_base[lo] <= t < tile_base[lo + 1]
-    while (hi - lo > 1) {
-      const int64_t mid = (lo + hi) / 2;
-      if (g.tile_base[mid] <= t) lo = mid;
-      else hi = mid;
-    }
-    const int64_t r0 = g.offsets[lo], r1 = g.offsets[lo + 1];
-    const int64_t rows = (r1 - r0 + bm - 1) / bm, u = t - g.tile_base[lo];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t e = blockIdx.x * kListTileWarps + warp, k = 0; e < experts; e += blocks * kListTileWarps, ++k) {
+    const int64_t slot = k * kListTileWarps + warp, r0 = first_row[slot], r1 = end_row[slot];
+    // 32-bit tile arithmetic: the tile count is an int32 (count).
+    const uint32_t row_tiles = static_cast<uint32_t>((r1 - r0 + bm - 1) / bm), cols = static_cast<uint32_t>(col_tiles);
     const bool across = r1 - r0 > p.n;
-    const int64_t row = across ? u / col_tiles : u % rows, col = across ? u % col_tiles : u / rows;
-    g.tiles[t] = make_int2(static_cast<int>(r0 + row * bm), static_cast<int>(lo << 16 | col));
+    RowTileWork* out = g.tiles + first_tile[slot];
+    for (uint32_t u = lane; u < row_tiles * cols; u += 32) {
+      const uint32_t rt = across ? u / cols : u % row_tiles, ct = across ? u % cols : u / row_tiles;
+      out[u] = make_int2(static_cast<int>(r0 + int64_t{rt} * bm), static_cast<int>(e << 16 | ct));
+    }
   }
 }
 
@@ -457,10 +462,10 @@ struct RowTileRunner {
     // The listing kernel goes before CUTLASS's initialize, as every sm_90a path orders its launches: the runtime
     // launch makes the device's context current on this thread (autograd's backward thread may not have it yet),
     // which the TMA descriptor encoding, a driver call, needs (initialize first: CUDA_ERROR_INVALID_CONTEXT).
-    const dim3 grid(1 + 16);  // block 0 lists the tiles, the others zero rows past the counts' sum
     const auto list = p.counts_int32 ? list_row_tiles<typename C::Element, int32_t>
                                      : list_row_tiles<typename C::Element, int64_t>;
-    launch_dependent(list, grid, kListThreads, stream, g, p, int{C::kBlockM}, int{C::kBlockN});
+    launch_dependent(list, list_blocks(p.num_experts) + kFillBlocks, kListTileThreads, stream, g, p, int{C::kBlockM},
+                     int{C::kBlockN});
     typename C::Gemm gemm;
     cutlass::Status status = gemm.initialize(arguments(p, g, sm_count), nullptr, stream);
     TORCH_CHECK(status == cutlass::Status::kSuccess, "grouped_gemm (sm90 row tiles): CUTLASS initialize failed: ",

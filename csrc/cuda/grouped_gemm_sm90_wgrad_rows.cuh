@@ -320,6 +320,29 @@ struct WgradRowsConfig {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
+// The wgrad's one-block offsets kernel (row_offsets below).
+constexpr int kListThreads = 1024;
+
+// Row offsets [E + 1] of the experts, clamped to [0, num_rows] (rows_of), computed by every thread of a block
+// of `Threads` threads; on return all threads see them.
+template <int Threads, class CountT>
+__device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t num_rows, int64_t* offsets) {
+  using Scan = cub::BlockScan<int64_t, Threads>;
+  __shared__ typename Scan::TempStorage temp;
+  const int64_t per_thread = (experts + Threads - 1) / Threads;
+  const int64_t e0 = min(threadIdx.x * per_thread, experts), e1 = min(e0 + per_thread, experts);
+  int64_t mine = 0;
+  for (int64_t e = e0; e < e1; ++e) mine += rows_of(counts[e], num_rows);
+  int64_t before = 0;
+  Scan(temp).ExclusiveSum(mine, before);
+  for (int64_t e = e0; e < e1; ++e) {
+    offsets[e] = min(before, num_rows);
+    before += rows_of(counts[e], num_rows);
+  }
+  if (threadIdx.x == Threads - 1) offsets[experts] = min(before, num_rows);
+  __syncthreads();
+}
+
 // order_by_rows ranks up to kSortedExperts experts (one a thread of the listing block); past it they keep their
 // own order and the balance rests on the round walk alone.
 constexpr int kSortedExperts = kListThreads;

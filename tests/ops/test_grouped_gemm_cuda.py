@@ -341,6 +341,27 @@ def test_wgrad_walks_every_expert_whatever_its_place(num_experts):
     torch.testing.assert_close(dw.double(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("num_experts", [7, 9, 1024, 1025, 3000])
+def test_forward_lists_every_expert_whatever_its_warp(num_experts):
+    # The sm_90a row-tile forward and dgrad list their work tiles in min(ceil(E / 8), 128) blocks of 8 warps, a
+    # warp per expert, wrapping past 1024 experts (kMaxListBlocks x kListTileWarps): every expert's rows must
+    # come from its own weight on both sides of each limit, walked down the rows (300) and across the columns
+    # (700 rows > N), with partial row tiles (129) and column tiles (N = 520).
+    gen = torch.Generator().manual_seed(num_experts)
+    counts = torch.randint(0, 3, (num_experts,), generator=gen) ** 4
+    counts[torch.randint(0, num_experts, (3,), generator=gen)] = torch.tensor([700, 300, 129])
+    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(num_experts, 64, 520, device="cuda", dtype=torch.bfloat16) / 8
+    dy = torch.randn(x.shape[0], 520, device="cuda", dtype=torch.bfloat16)
+    poison_allocator()
+    y = torch.ops.moe_core.grouped_gemm(x, w, counts.cuda(), False)
+    dx = torch.ops.moe_core.grouped_gemm(dy, w, counts.cuda(), True)
+    torch.testing.assert_close(y.double(), grouped_gemm_ref(x.double(), w.double(), counts, False),
+                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dx.double(), grouped_gemm_ref(dy.double(), w.double(), counts, True),
+                               rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_counts_summing_past_int64_do_not_wrap(dtype):
     # Unchecked GPU counts whose sum overflows int64: each count is clamped to T before the prefix sums, so
