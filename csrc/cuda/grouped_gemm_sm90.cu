@@ -126,8 +126,13 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
   // Walking along M keeps a B tile (a weight slice) hot while the group's rows stream past it, but re-reads
   // the group's A rows for every column of tiles: right while A_e (T/E rows of K) is smaller than B_e (K x N),
   // as in every benchmark shape. Past that (few experts, many rows each: T/E > N) A_e outgrows L2 and the
-  // walk along N, which keeps a row block hot instead, reads each operand about once.
-  s.along_n = forward && p.m > p.n * p.num_experts;
+  // walk along N, which keeps a row block hot instead, reads each operand about once. The wgrad's operands
+  // share the reduction (the expert's rows), so A_e (m of them) outweighs B_e (n) when m > n: on Mixtral fc2's
+  // E8 wgrad (m 14336, n 4096; x and dy are 0.30 GB) this kernel read 1.74-1.91 GB from DRAM along M and 0.37
+  // along N, 1.42 against 1.35 ms; on Mixtral fc1's (m 4096, n 28672) 0.8 GB along M and 4.8-5.3 along N, 2.71
+  // against 2.95 ms (Nsight Compute, H100; docs/kernel_notes.md, v15). The row-range wgrad walks its own way
+  // (it runs where an expert's operands fit in L2).
+  s.along_n = forward ? p.m > p.n * p.num_experts : p.m > p.n;
   // bf16 forward and dgrad: the row-tile kernel, static TMA descriptors instead of per-group ones, led the
   // pointer-array pick by 2-5% in geomean over the benchmark's shapes in three H100 runs (docs/kernel_notes.md).
   // It needs rows (T > 0, T < 2^31: CUTLASS's int problem shape) and expert and column-tile indices that fit
