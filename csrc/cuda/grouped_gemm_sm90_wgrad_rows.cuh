@@ -164,6 +164,7 @@ struct RowRangeMainloop : Built {
   static constexpr int kBlockK = cute::size<2>(TileShape{});
   static constexpr int kThreads = cute::size(TiledMma{});  // the consumer warpgroups
   static constexpr int kVector = 16 / sizeof(typename TiledMma::ValTypeA);
+  static constexpr int kMmaK = cute::size<2>(typename TiledMma::AtomShape_MNK{});  // one wgmma's k-rows
   static constexpr uint32_t kMaskBarrier = 0;  // a user named barrier (CUTLASS offsets it past its reserved ones)
 
   // The kernel's tiled views (BLK, BLK_K, m|n, k, l) plus the untiled TMA tensors (m|n, k, l) this load shifts.
@@ -234,18 +235,23 @@ struct RowRangeMainloop : Built {
     PipelineState release = read;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int kt = 0; kt < range.k_tiles; ++kt) {
+    // One k-tile's MMAs. A partial k-tile (the expert's last) is masked and skips the wgmmas whose k-rows all
+    // lie past the expert. It runs after the loop over the full k-tiles: ptxas fences every wgmma that a branch
+    // can skip (C7519), and inside the loop that cost the equal-count shapes' wgrads 2-6% (H100 A/B, v16 in
+    // docs/kernel_notes.md).
+    auto k_tile = [&](int kt, auto partial) {
       pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
       const int stage = read.index();
       const int valid = range.rows - kt * kBlockK;
-      if (valid < kBlockK) mask_rows_from(sA, sB, stage, valid, thread_idx);
+      if constexpr (decltype(partial)::value) mask_rows_from(sA, sB, stage, valid, thread_idx);
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
-        tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        if (!decltype(partial)::value || kb * kMmaK < valid) {
+          gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+          tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+        }
       }
       warpgroup_commit_batch();
       if (kt > 0) {  // the previous k-tile's MMAs are done: hand its stage back to the producer
@@ -255,7 +261,11 @@ struct RowRangeMainloop : Built {
         ++release;
       }
       ++read;
-    }
+    };
+    const int full = range.rows / kBlockK;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int kt = 0; kt < full; ++kt) k_tile(kt, cute::false_type{});
+    if (full < range.k_tiles) k_tile(full, cute::true_type{});
     warpgroup_fence_operand(accum);
   }
 

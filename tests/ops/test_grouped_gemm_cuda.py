@@ -322,6 +322,24 @@ def test_wgrad_of_an_expert_reads_only_its_rows(dtype):
         torch.testing.assert_close(dw[e].double(), ref, rtol=2e-2, atol=2e-2)
 
 
+def assert_wgrad_matches_element_by_element(counts: torch.Tensor, k: int, n: int) -> None:
+    """The bf16 wgrad of random x [T, k] and dy [T, n] against float64, element by element, on poisoned memory."""
+    x = torch.randn(int(counts.sum()), k, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
+    poison_allocator()
+    dw = torch.ops.moe_core.grouped_gemm_wgrad(x, dy, counts.cuda(), False)
+    ref = grouped_gemm_wgrad_ref(x.double(), dy.double(), counts, False)
+    torch.testing.assert_close(dw.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_wgrad_partial_k_tiles_keep_every_row():
+    # The sm_90a row-range wgrad runs an expert's last, partial 64-row k-tile with only the 16-row wgmmas that
+    # hold its rows: counts on both sides of every 16-row step, within one k-tile and after a full one. A wgmma
+    # skipped one step too early drops up to 16 rows' products, far beyond the tolerance.
+    counts = torch.tensor([1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 81, 127, 0, 5])
+    assert_wgrad_matches_element_by_element(counts, 128, 256)
+
+
 @pytest.mark.parametrize("num_experts", [200, 256, 257, 1024, 1025, 1100])
 def test_wgrad_walks_every_expert_whatever_its_place(num_experts):
     # The sm_90a row-range wgrad walks the experts by rows, most first (ranked by counting up to 256 experts,
@@ -333,12 +351,7 @@ def test_wgrad_walks_every_expert_whatever_its_place(num_experts):
     counts[torch.randint(0, num_experts, (4,), generator=gen)] = torch.tensor([700, 300, 130, 64])
     check_against_float64(counts, 64, 256, torch.bfloat16, trans_weight=False)
     # Element by element too: a one-row expert's gradient in another's slot would barely move the norms above.
-    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(x.shape[0], 256, device="cuda", dtype=torch.bfloat16)
-    poison_allocator()
-    dw = torch.ops.moe_core.grouped_gemm_wgrad(x, dy, counts.cuda(), False)
-    ref = grouped_gemm_wgrad_ref(x.double(), dy.double(), counts, False)
-    torch.testing.assert_close(dw.double(), ref, rtol=2e-2, atol=2e-2)
+    assert_wgrad_matches_element_by_element(counts, 64, 256)
 
 
 @pytest.mark.parametrize("num_experts", [7, 9, 1024, 1025, 3000])
