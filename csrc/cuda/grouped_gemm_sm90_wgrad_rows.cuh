@@ -270,25 +270,27 @@ struct RowRangeMainloop : Built {
   }
 
  private:
-  // Zeros the k-rows [valid, kBlockK) of both operands in `stage`: they hold the next expert's rows (or TMA's
-  // zeros past T), and zeroing both keeps a non-finite value there out of this expert's sum (0 x inf is NaN).
-  // All consumer threads take part and meet before any MMA reads the stage; the fence orders the writes
-  // before wgmma's (async proxy) reads.
+  // Zeros the k-rows [valid, end of valid's 16-row wgmma) of both operands in `stage`: they hold the next
+  // expert's rows (or TMA's zeros past T), and zeroing both keeps a non-finite value there out of this expert's
+  // sum (0 x inf is NaN). The rows of the wgmmas that mma skips stay as they are: zeroing them too cost the
+  // 4-row experts' wgrad 3% (H100 A/B, v17 in docs/kernel_notes.md). All consumer threads take part and meet
+  // before any MMA reads the stage; the fence orders the writes before wgmma's (async proxy) reads.
   template <class TensorA, class TensorB>
   CUTLASS_DEVICE static void mask_rows_from(TensorA& sA, TensorB& sB, int stage, int valid, int thread_idx) {
-    zero_rows_from<kBlockM>(sA, stage, valid, thread_idx);
-    zero_rows_from<kBlockN>(sB, stage, valid, thread_idx);
+    const int end = (valid + kMmaK - 1) / kMmaK * kMmaK;
+    zero_rows<kBlockM>(sA, stage, valid, end, thread_idx);
+    zero_rows<kBlockN>(sB, stage, valid, end, thread_idx);
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(kThreads, kMaskBarrier);
   }
 
-  // 16-byte vectors: both operands are M/N-major (a and b are row-major [T, m] and [T, n]), so 8 consecutive
-  // m (or n) of one k share a swizzle unit.
+  // Zeros k-rows [begin, end). 16-byte vectors: both operands are M/N-major (a and b are row-major [T, m] and
+  // [T, n]), so 8 consecutive m (or n) of one k share a swizzle unit.
   template <int kExtent, class SmemTensor>
-  CUTLASS_DEVICE static void zero_rows_from(SmemTensor& s, int stage, int valid, int thread_idx) {
+  CUTLASS_DEVICE static void zero_rows(SmemTensor& s, int stage, int begin, int end, int thread_idx) {
     constexpr int kPerRow = kExtent / kVector;
-    for (int i = thread_idx; i < (kBlockK - valid) * kPerRow; i += kThreads) {
-      *reinterpret_cast<uint4*>(&s(i % kPerRow * kVector, valid + i / kPerRow, stage)) = make_uint4(0, 0, 0, 0);
+    for (int i = thread_idx; i < (end - begin) * kPerRow; i += kThreads) {
+      *reinterpret_cast<uint4*>(&s(i % kPerRow * kVector, begin + i / kPerRow, stage)) = make_uint4(0, 0, 0, 0);
     }
   }
   static_assert(cutlass::gemm::detail::is_major<0, typename Built::StrideA>() &&
