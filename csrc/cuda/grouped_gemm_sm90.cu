@@ -136,7 +136,7 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
   // bf16 forward and dgrad: the row-tile kernel, static TMA descriptors instead of per-group ones, led the
   // pointer-array pick by 2-5% in geomean over the benchmark's shapes in three H100 runs (docs/kernel_notes.md).
   // It needs rows (T > 0, T < 2^31: CUTLASS's int problem shape) and expert and column-tile indices that fit
-  // its work-tile fields (15 and 16 bits).
+  // its work-tile fields (15 bits each, beside the half-tile flag).
   // bf16 wgrad: the row-range kernel, the same idea with each expert's rows as the reduction (T > 0: its
   // descriptors cover x's rows; T = 0 keeps the pointer-array kernel, whose prepare kernel streams the zeros),
   // where an expert's d[e] has under two waves of tiles, so the pointer-array kernel's CTAs would rewrite their
@@ -144,7 +144,7 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
   // Qwen3 and OLMoE shapes (64-128 tiles per expert) and trailed by 1-3% on Mixtral's and DeepSeek-V3's
   // (448-3584 tiles per expert, descriptor rewrites rare).
   const bool rows_fit = forward ? p.m > 0 && p.m < (int64_t{1} << 31) && p.num_experts < 32768 &&
-                                      ceil_div(p.n, 256) < 65536
+                                      ceil_div(p.n, 256) < 32768
                                 : p.num_rows > 0 && p.num_rows < (int64_t{1} << 31);
   const bool rows_pay = forward || ceil_div(p.m, 128) * ceil_div(p.n, 256) < 2 * sm_count;
   if (rows_built(p.dtype, p.op) && rows_fit && rows_pay) s.tile = Tile::kRows128x256;

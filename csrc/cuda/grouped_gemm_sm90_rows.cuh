@@ -10,7 +10,10 @@
 // by a prepare kernel from the device-side counts; the epilogue stores only the tile's rows that belong to e.
 // Expert-aligned tiles pad each expert to whole tiles, as the pointer-array kernel does; tiles aligned to x's
 // rows computed a tile split between experts once per expert (Dirichlet(0.3) counts over 128 experts: 1.45x
-// the rows against 1.29x). No host sync; the grid is the SM count whatever the counts.
+// the rows against 1.29x). An expert's last row tile with at most 64 of its rows (a quarter of the row tiles on
+// those counts) runs as a 64-row half tile: the two consumer warpgroups split the columns instead of the rows, so
+// it issues half the wgmmas (docs/kernel_notes.md, v18). No host sync; the grid is the SM count whatever the
+// counts.
 #pragma once
 
 #include "grouped_gemm_sm90.cuh"
@@ -28,7 +31,8 @@
 
 namespace moe_core::cuda::sm90 {
 
-// One work tile: its first row, then expert << 16 | column tile.
+// One work tile: its first row, then expert << 16 | half << 15 | column tile, where half marks a tile with at
+// most kBlockM / 2 of its expert's rows (RowTileScheduler::WorkTileInfo::half).
 using RowTileWork = int2;
 
 // The workspace of the row-tile path: row offsets [E + 1] (clamped, as the pointer-array path), the work tiles
@@ -134,7 +138,9 @@ __global__ void __launch_bounds__(kListTileThreads) list_row_tiles(RowTileArrays
     RowTileWork* out = g.tiles + first_tile[slot];
     for (uint32_t u = lane; u < row_tiles * cols; u += 32) {
       const uint32_t rt = across ? u / cols : u % row_tiles, ct = across ? u % cols : u / row_tiles;
-      out[u] = make_int2(static_cast<int>(r0 + int64_t{rt} * bm), static_cast<int>(e << 16 | ct));
+      const int64_t first = r0 + int64_t{rt} * bm;
+      const int64_t half = r1 - first <= bm / 2;
+      out[u] = make_int2(static_cast<int>(first), static_cast<int>(e << 16 | half << 15 | ct));
     }
   }
 }
@@ -215,10 +221,22 @@ class AheadWalk : public cutlass::gemm::kernel::detail::PersistentTileSchedulerS
 // Walks the listed work tiles.
 struct RowTileSchedulerTag {};
 
+// A work tile's k-tiles and whether it is a half tile: CUTLASS's kernel hands this to the mainloop's `mma` and,
+// converted to the k-tile count, to its pipelines.
+struct RowTileK {
+  int32_t k_tiles = 0;
+  bool half = false;
+  CUTLASS_HOST_DEVICE operator int() const { return k_tiles; }
+};
+
 class RowTileScheduler : public AheadWalk<RowTileScheduler, RowTileWork> {
   friend AheadWalk<RowTileScheduler, RowTileWork>;
 
  public:
+  struct WorkTileInfo : Base::WorkTileInfo {
+    bool half = false;  // at most BLK_M / 2 of the expert's rows: RowStartMainloop's and RowTileEpilogue's half tile
+    CUTLASS_HOST_DEVICE static WorkTileInfo invalid_work_tile() { return {}; }
+  };
   struct Arguments : Base::Arguments {
     const RowTileWork* tiles = nullptr;
     const int32_t* count = nullptr;
@@ -237,6 +255,12 @@ class RowTileScheduler : public AheadWalk<RowTileScheduler, RowTileWork> {
     return params;
   }
 
+  template <class ProblemShape, class TileShape>
+  CUTLASS_HOST_DEVICE static RowTileK get_work_k_tile_count(WorkTileInfo const& work, ProblemShape shape,
+                                                            TileShape tile) {
+    return {static_cast<int32_t>(cute::ceil_div(cute::get<2>(shape), cute::get<2>(tile))), work.half};
+  }
+
   RowTileScheduler() = default;
   CUTLASS_DEVICE explicit RowTileScheduler(Params const& params)
       : AheadWalk(params), tiles_(params.tiles), count_(*params.count) {}
@@ -245,8 +269,14 @@ class RowTileScheduler : public AheadWalk<RowTileScheduler, RowTileWork> {
   CUTLASS_DEVICE uint64_t end() const { return count_; }
   CUTLASS_DEVICE RowTileWork fetch(uint64_t t) const { return t < count_ ? tiles_[t] : RowTileWork{}; }
   CUTLASS_DEVICE WorkTileInfo work(uint64_t t, RowTileWork w) const {
-    if (t >= count_) return WorkTileInfo::invalid_work_tile();
-    return {w.x, w.y & 0xffff, static_cast<int32_t>(static_cast<uint32_t>(w.y) >> 16), true};
+    WorkTileInfo info;
+    if (t >= count_) return info;
+    info.M_idx = w.x;
+    info.N_idx = w.y & 0x7fff;
+    info.L_idx = static_cast<int32_t>(static_cast<uint32_t>(w.y) >> 16);
+    info.is_valid_tile = true;
+    info.half = w.y >> 15 & 1;
+    return info;
   }
 
   const RowTileWork* tiles_ = nullptr;
@@ -259,8 +289,10 @@ class RowTileScheduler : public AheadWalk<RowTileScheduler, RowTileWork> {
 // buffer, as CUTLASS's own epilogue does; a tile shared with other experts by 16-byte stores of the expert's
 // rows only. One named barrier per buffer: before it, thread 0 waits until the TMA store of the buffer
 // written one step earlier has read it, so after it that buffer is free for the next step; nobody waits for the
-// last store of a tile (RowTileAdapter::store_tail waits once, before the CTA exits).
-template <class ElementD_, int BM, int BN>
+// last store of a tile (RowTileAdapter::store_tail waits once, before the CTA exits). A half tile (at most BM / 2
+// of the expert's rows; `HalfMma`, the two warpgroups side by side along N, computed it into the first half of
+// each thread's accumulators) stacks the warpgroups' 64-row halves in each buffer: two steps instead of four.
+template <class ElementD_, int BM, int BN, class HalfMma>
 class RowTileEpilogue {
  public:
   using ElementC = void;
@@ -324,16 +356,35 @@ class RowTileEpilogue {
     using namespace cute;
     // wgmma's accumulator layout (CUTLASS's GMMA CLayout_64xN): value i of a thread lies in column block i / 4
     // (8 columns), so the values of 64-column box q are i in [32q, 32q + 32), pairs of adjacent columns.
-    static_assert(size(TiledMma{}) == kThreads && BN % kCols == 0);
+    static_assert(size(TiledMma{}) == kThreads && size(HalfMma{}) == kThreads && BN % (2 * kCols) == 0);
     static_assert(size<0, 0>(FrgLayout{}) == 2 && size<0, 2>(FrgLayout{}) == BN / 8 && size<1>(FrgLayout{}) == 1 &&
                   size<2>(FrgLayout{}) == 1, "one m64nBNk16 atom per warpgroup");
     const auto [m_coord, n_coord, k_coord, l_coord] = coord;  // m_coord: the tile's first row (RowStartMainloop)
+    // The same rule as the listing's half flag (list_row_tiles), from the same offsets.
+    const int rows = static_cast<int>(min<int64_t>(params_.offsets[l_coord + 1] - m_coord, BM));
+    if (rows <= BM / 2) {
+      using Half = decltype(partition_fragment_C(HalfMma{}, Shape<Int<BM / 2>, Int<BN>>{}));
+      store<BM / 2>(problem, coord, rows, make_tensor(accumulators.data(), typename Half::layout_type{}),
+                    HalfMma{}, thread_idx, smem);
+    } else {
+      store<BM>(problem, coord, rows, accumulators, tiled_mma, thread_idx, smem);
+    }
+  }
+
+ private:
+  // The tile's TileM x BN accumulators, as `mma` lays them out, in BM / TileM stacks of BN * TileM / BM columns
+  // (one per warpgroup for a half tile, TileM = BM / 2), a stack's TileM rows below the previous one's in each box.
+  template <int TileM, class ProblemShapeMNKL, class BlockCoordMNKL, class Accumulators, class Mma>
+  CUTLASS_DEVICE void store(ProblemShapeMNKL problem, BlockCoordMNKL coord, int rows, Accumulators const& acc,
+                            Mma mma, int thread_idx, char* smem) {
+    using namespace cute;
+    constexpr int kStackCols = BN * TileM / BM;
+    const auto [m_coord, n_coord, k_coord, l_coord] = coord;
     const int64_t tile_row = m_coord, tile_col = int64_t(n_coord) * BN;
-    const int rows = static_cast<int>(min<int64_t>(params_.offsets[l_coord + 1] - tile_row, BM));
     const int cols = static_cast<int>(min<int64_t>(int64_t(get<1>(problem)) - tile_col, BN));
     const bool whole = rows == BM;
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
-    Tensor where = tiled_mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+    Tensor where = mma.get_thread_slice(thread_idx).partition_C(make_identity_tensor(Shape<Int<TileM>, Int<BN>>{}));
     Tensor mY = params_.tma.get_tma_tensor(make_shape(static_cast<int>(get<0>(problem)),
                                                       static_cast<int>(get<1>(problem))));
     Tensor gY = local_tile(domain_offset(make_coord(m_coord, 0), mY), Shape<Int<BM>, Int<kCols>>{},
@@ -341,22 +392,23 @@ class RowTileEpilogue {
     auto tma = params_.tma.get_slice(0);
     cutlass::NumericArrayConverter<ElementD, float, 2> convert;
     CUTLASS_PRAGMA_UNROLL
-    for (int q = 0; q < BN / kCols; ++q) {
+    for (int q = 0; q < kStackCols / kCols; ++q) {
       Tensor box = make_tensor(make_smem_ptr(storage.box[q % 2]), SmemBox{});  // (BM, kCols)
       CUTLASS_PRAGMA_UNROLL
       for (int v = 0; v < kCols / 2; v += 2) {  // constant bounds: unrolled, so the accumulators stay registers
         const int i = q * kCols / 2 + v;
         cutlass::Array<float, 2> pair;
-        pair[0] = accumulators(i);
-        pair[1] = accumulators(i + 1);
+        pair[0] = acc(i);
+        pair[1] = acc(i + 1);
         const auto packed = convert(pair);
-        const int r = get<0>(where(i)), c = get<1>(where(i)) - q * kCols;
-        *reinterpret_cast<uint32_t*>(&box(r, c)) = reinterpret_cast<uint32_t const&>(packed);
+        const int c = get<1>(where(i));
+        const int r = get<0>(where(i)) + c / kStackCols * TileM;
+        *reinterpret_cast<uint32_t*>(&box(r, c % kStackCols - q * kCols)) = reinterpret_cast<uint32_t const&>(packed);
       }
       cutlass::arch::fence_view_async_shared();  // the writes above, to the TMA store
       if (thread_idx == 0) tma_store_wait<0>();  // the other buffer's store has read it
       cutlass::arch::NamedBarrier::sync(kThreads, cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
-      if (whole) {
+      if (TileM == BM && whole) {
         if (thread_idx == 0) {
           copy(params_.tma, tma.partition_S(box), tma.partition_D(gY(_, _, n_coord * (BN / kCols) + q)));
           tma_store_arrive();
@@ -366,8 +418,9 @@ class RowTileEpilogue {
         CUTLASS_PRAGMA_UNROLL
         for (int i = thread_idx; i < BM * kCols / kChunk; i += kThreads) {
           const int r = i / (kCols / kChunk), c = i % (kCols / kChunk) * kChunk;
-          if (r < rows && q * kCols + c < cols) {
-            *reinterpret_cast<uint4*>(params_.ptr_d + (tile_row + r) * params_.ld + tile_col + q * kCols + c) =
+          const int row = r % TileM, col = r / TileM * kStackCols + q * kCols + c;
+          if (row < rows && col < cols) {
+            *reinterpret_cast<uint4*>(params_.ptr_d + (tile_row + row) * params_.ld + tile_col + col) =
                 *reinterpret_cast<uint4 const*>(&box(r, c));
           }
         }
@@ -375,7 +428,6 @@ class RowTileEpilogue {
     }
   }
 
- private:
   Params const& params_;  // the kernel's grid-constant parameters: TMA needs its descriptor there
 };
 
@@ -394,8 +446,17 @@ struct RowTileAdapter : cutlass::epilogue::collective::detail::Sm90TmaWarpSpecia
 
 // CUTLASS's TMA + wgmma mainloop (`Built`, from its collective builder) for work tiles that start at any row:
 // A's tiled view steps one row per M index instead of one tile, so the scheduler's M index is the first row.
-template <class Built>
+// A half tile loads the same stages (the A tile's last BLK_M / 2 rows unused) and runs `HalfMma`, BLK_M / 2 x
+// BLK_N with the warpgroups side by side along N, into the first half of each thread's accumulators.
+template <class Built, class HalfMma>
 struct RowStartMainloop : Built {
+  using typename Built::MainloopPipeline;
+  using typename Built::Params;
+  using typename Built::PipelineState;
+  using typename Built::SmemLayoutA;
+  using typename Built::SmemLayoutB;
+  using typename Built::TensorStorage;
+
   template <class ProblemShapeMNKL>
   CUTLASS_DEVICE auto load_init(ProblemShapeMNKL const& shape, typename Built::Params const& params) const {
     using namespace cute;
@@ -405,6 +466,57 @@ struct RowStartMainloop : Built {
     return make_tuple(make_tensor(get<0>(tiled).data(), make_layout(layout<0>(a), layout<1>(a), rows, layout<3>(a),
                                                                     layout<4>(a))),
                       get<1>(tiled));
+  }
+
+  // As CUTLASS's own mma, it leaves the last k-tile's stage to mma_tail, but with no wgmma in flight: where the
+  // two paths join, ptxas may move accumulator registers, and with a wgmma still running it serializes every
+  // wgmma of the kernel (C7515).
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState read, FrgTensorC& accum, RowTileK k,
+                          int thread_idx, TensorStorage& shared, Params const& params) {
+    using namespace cute;
+    if (!k.half) {
+      Built::mma(pipeline, read, accum, k.k_tiles, thread_idx, shared, params);
+      warpgroup_wait<0>();
+      return;
+    }
+    constexpr int kHalfM = size<0>(SmemLayoutA{}) / 2;
+    Tensor sA = make_tensor(make_smem_ptr(shared.smem_A.data()), SmemLayoutA{});  // (BLK_M, BLK_K, PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(shared.smem_B.data()), SmemLayoutB{});  // (BLK_N, BLK_K, PIPE)
+    Tensor sA_half = local_tile(sA, Shape<Int<kHalfM>, Int<size<1>(SmemLayoutA{})>, Int<size<2>(SmemLayoutA{})>>{},
+                                make_coord(0, 0, 0));  // (BLK_M / 2, BLK_K, PIPE)
+    HalfMma half_mma;
+    const int warp_group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    auto thread_mma = half_mma.get_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA_half));  // (MMA, 1, MMA_K, PIPE)
+    Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));       // (MMA, 1, MMA_K, PIPE)
+    using Half = decltype(partition_fragment_C(HalfMma{}, Shape<Int<kHalfM>, Int<size<0>(SmemLayoutB{})>>{}));
+    Tensor acc = make_tensor(accum.data(), typename Half::layout_type{});
+    PipelineState release = read;
+    half_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    warpgroup_fence_operand(acc);
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int kt = 0; kt < k.k_tiles; ++kt) {
+      pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
+      const int stage = read.index();
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int kb = 0; kb < size<2>(tCrA); ++kb) {
+        gemm(half_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
+        half_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      if (kt > 0) {  // the previous k-tile's MMAs are done: hand its stage back to the producer
+        warpgroup_wait<1>();
+        warpgroup_fence_operand(acc);
+        pipeline.consumer_release(release);
+        ++release;
+      }
+      ++read;
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
   }
 };
 
@@ -416,12 +528,18 @@ struct RowTileConfig {
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = typename LayoutsOf<O>::B;
-  using Epilogue = RowTileAdapter<RowTileEpilogue<Element, 128, 256>>;
+  // The half tile's 64 x 256: one m64n128k16 atom per warpgroup, side by side along N.
+  using HalfMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float, cute::Shape<cute::_64, cute::_128, cute::_64>,
+                                 cutlass::gemm::collective::detail::gmma_ss_tag_to_major_A<Element, LayoutA>(),
+                                 cutlass::gemm::collective::detail::gmma_ss_tag_to_major_B<Element, LayoutB>()>(),
+      cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
+  using Epilogue = RowTileAdapter<RowTileEpilogue<Element, 128, 256, HalfMma>>;
   using Mainloop = RowStartMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp>;
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp, HalfMma>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       RowTileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

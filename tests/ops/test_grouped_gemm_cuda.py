@@ -375,6 +375,28 @@ def test_forward_lists_every_expert_whatever_its_warp(num_experts):
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
+def test_forward_half_row_tiles_keep_every_row(trans_weight):
+    # The sm_90a row-tile forward and dgrad run an expert's last row tile as a 64-row half tile (the warpgroups
+    # side by side along N, stacked in the epilogue's buffers) when it holds at most 64 of the expert's rows:
+    # counts on both sides of 64 within the first row tile and after one and two full ones, a partial last
+    # column tile (N = 520) and a partial last k-tile (K = 200), element by element on NaN-poisoned memory.
+    torch.manual_seed(11)
+    counts = torch.tensor([1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 7, 320, 321])
+    k, n = 200, 520
+    x = torch.randn(int(counts.sum()), k, device="cuda", dtype=torch.bfloat16)
+    shape = (counts.numel(), n, k) if trans_weight else (counts.numel(), k, n)
+    w = torch.randn(shape, device="cuda", dtype=torch.bfloat16) / k**0.5
+    dy = torch.randn(x.shape[0], n, device="cuda", dtype=torch.bfloat16)
+    poison_allocator()
+    y = torch.ops.moe_core.grouped_gemm(x, w, counts.cuda(), trans_weight)
+    dx = torch.ops.moe_core.grouped_gemm(dy, w, counts.cuda(), not trans_weight)
+    torch.testing.assert_close(y.double(), grouped_gemm_ref(x.double(), w.double(), counts, trans_weight),
+                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(dx.double(), grouped_gemm_ref(dy.double(), w.double(), counts, not trans_weight),
+                               rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_counts_summing_past_int64_do_not_wrap(dtype):
     # Unchecked GPU counts whose sum overflows int64: each count is clamped to T before the prefix sums, so
