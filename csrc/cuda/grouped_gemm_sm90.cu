@@ -138,15 +138,17 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
   // It needs rows (T > 0, T < 2^31: CUTLASS's int problem shape) and expert and column-tile indices that fit
   // its work-tile fields (15 bits each, beside the half-tile flag).
   // bf16 wgrad: the row-range kernel, the same idea with each expert's rows as the reduction (T > 0: its
-  // descriptors cover x's rows; T = 0 keeps the pointer-array kernel, whose prepare kernel streams the zeros),
-  // where an expert's d[e] has under two waves of tiles, so the pointer-array kernel's CTAs would rewrite their
-  // descriptors for another expert nearly every tile: in an interleaved A/B on an H100 it led by 3-8% on the
-  // Qwen3 and OLMoE shapes (64-128 tiles per expert) and trailed by 1-3% on Mixtral's and DeepSeek-V3's
-  // (448-3584 tiles per expert, descriptor rewrites rare).
+  // descriptors cover x's rows; T = 0 keeps the pointer-array kernel, whose prepare kernel streams the zeros).
+  // It walks each column of an expert's tiles down the rows of d[e], so the expert's rows of x (m wide) come
+  // from L2 for every column after the first while they fit there: it pays up to 32 MiB of them for the mean
+  // expert. H100, same-process A/Bs: 3-8% ahead of the pointer-array kernel on the Qwen3 and OLMoE shapes
+  // (2026-11-23), and since v9-v17 1.5-2.0% ahead on Mixtral's and DeepSeek-V3's E8 shapes too (8-29 MiB of x
+  // rows an expert, 2026-11-25), where it had trailed by 1-3%.
   const bool rows_fit = forward ? p.m > 0 && p.m < (int64_t{1} << 31) && p.num_experts < 32768 &&
                                       ceil_div(p.n, 256) < 32768
                                 : p.num_rows > 0 && p.num_rows < (int64_t{1} << 31);
-  const bool rows_pay = forward || ceil_div(p.m, 128) * ceil_div(p.n, 256) < 2 * sm_count;
+  constexpr int64_t kL2RowsBytes = int64_t{32} << 20;
+  const bool rows_pay = forward || p.num_rows / p.num_experts * p.m * 2 <= kL2RowsBytes;  // bf16 rows
   if (rows_built(p.dtype, p.op) && rows_fit && rows_pay) s.tile = Tile::kRows128x256;
   if (const char* forced = std::getenv("MOE_CORE_GEMM_TILE")) {
     if (std::strcmp(forced, "128x256") == 0) s.tile = Tile::k128x256;

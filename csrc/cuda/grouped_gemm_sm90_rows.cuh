@@ -444,6 +444,21 @@ struct RowTileAdapter : cutlass::epilogue::collective::detail::Sm90TmaWarpSpecia
   }
 };
 
+// Ends k-tile kt of a consumer's own MMA loop, as CUTLASS's mainloop does: commits its wgmmas, then, once at
+// most those are in flight, hands the previous k-tile's stage back to the producer.
+template <class Pipeline, class PipelineState, class Accumulators>
+CUTLASS_DEVICE void end_k_tile(int kt, Pipeline& pipeline, PipelineState& read, PipelineState& release,
+                               Accumulators& accum) {
+  cute::warpgroup_commit_batch();
+  if (kt > 0) {
+    cute::warpgroup_wait<1>();
+    cute::warpgroup_fence_operand(accum);
+    pipeline.consumer_release(release);
+    ++release;
+  }
+  ++read;
+}
+
 // CUTLASS's TMA + wgmma mainloop (`Built`, from its collective builder) for work tiles that start at any row:
 // A's tiled view steps one row per M index instead of one tile, so the scheduler's M index is the first row.
 // A half tile loads the same stages (the A tile's last BLK_M / 2 rows unused) and runs `HalfMma`, BLK_M / 2 x
@@ -506,14 +521,7 @@ struct RowStartMainloop : Built {
         gemm(half_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), acc);
         half_mma.accumulate_ = GMMA::ScaleOut::One;
       }
-      warpgroup_commit_batch();
-      if (kt > 0) {  // the previous k-tile's MMAs are done: hand its stage back to the producer
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(acc);
-        pipeline.consumer_release(release);
-        ++release;
-      }
-      ++read;
+      end_k_tile(kt, pipeline, read, release, acc);
     }
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);

@@ -11,10 +11,10 @@
 // rows has no k-tiles and its tiles store zeros; every d[e] is written by the GEMM itself. No host sync: the
 // counts become row offsets and the experts' order by rows (the costliest walked first) in one small kernel,
 // and the work units (expert, cluster of tiles) follow from the shapes.
-// Measured (H100, interleaved A/B against the pointer-array pick): 3-8% faster where an expert's d[e] has under
-// two waves of tiles, 1-3% slower with hundreds of tiles per expert (pick_schedule chooses by that); cuBLAS's
-// batched kernel ran the equal-count case 12% faster before v9's scheduler fix, about 6% after
-// (docs/kernel_notes.md, v9).
+// Measured (H100, A/Bs against the pointer-array pick): 3-8% faster where an expert's d[e] has under two waves of
+// tiles; with hundreds of tiles per expert 1-3% slower at first, 2-6% faster since v9-v17 (pick_schedule keeps
+// the pointer-array kernel only where an expert's rows of x outgrow L2); cuBLAS's batched kernel ran the
+// equal-count case 12% faster before v9's scheduler fix, about 6% after (docs/kernel_notes.md, v9, v19).
 #pragma once
 
 #include "grouped_gemm_sm90_rows.cuh"
@@ -253,14 +253,7 @@ struct RowRangeMainloop : Built {
           tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         }
       }
-      warpgroup_commit_batch();
-      if (kt > 0) {  // the previous k-tile's MMAs are done: hand its stage back to the producer
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(accum);
-        pipeline.consumer_release(release);
-        ++release;
-      }
-      ++read;
+      end_k_tile(kt, pipeline, read, release, accum);
     };
     const int full = range.rows / kBlockK;
     CUTLASS_PRAGMA_NO_UNROLL

@@ -116,15 +116,19 @@ def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight
 
 
 def test_bf16_takes_the_static_descriptor_kernels_by_default(monkeypatch, capfd):
-    # The heuristics' own pick (no MOE_CORE_GEMM_TILE) for a bf16 forward and wgrad.
+    # The heuristics' own pick (no MOE_CORE_GEMM_TILE) for a bf16 forward and wgrad; the wgrad keeps the
+    # pointer-array kernel once the mean expert's rows of x pass 32 MiB (16384 x 1088 bf16: 34 MiB).
     monkeypatch.delenv("MOE_CORE_GEMM_TILE", raising=False)
     monkeypatch.setenv("MOE_CORE_GEMM_DEBUG", "1")
     torch.manual_seed(8)
     check_against_float64(torch.tensor([1100, 948]), 64, 8192, torch.bfloat16, False)
+    check_against_float64(torch.tensor([16384]), 1088, 64, torch.bfloat16, False)
     err = capfd.readouterr().err
     if torch.cuda.get_device_capability() == (9, 0) and "built without sm_90a" not in err:
         assert "forward (weight [E, K, N]): E=2 m=2048 n=8192 k=64 -> tile 128x256x64 cooperative row tiles" in err
         assert re.search(r"wgrad: E=2 m=64 n=8192 .* -> tile 128x256x64 cooperative cluster 2x1 row ranges", err)
+        wgrad = re.search(r"wgrad: E=1 m=1088 n=64 .* -> tile ([^,]*),", err)
+        assert wgrad and "row ranges" not in wgrad.group(1)
 
 
 @pytest.mark.parametrize("n", [33, 40])
@@ -354,36 +358,10 @@ def test_wgrad_walks_every_expert_whatever_its_place(num_experts):
     assert_wgrad_matches_element_by_element(counts, 64, 256)
 
 
-@pytest.mark.parametrize("num_experts", [7, 9, 1024, 1025, 3000])
-def test_forward_lists_every_expert_whatever_its_warp(num_experts):
-    # The sm_90a row-tile forward and dgrad list their work tiles in min(ceil(E / 8), 128) blocks of 8 warps, a
-    # warp per expert, wrapping past 1024 experts (kMaxListBlocks x kListTileWarps): every expert's rows must
-    # come from its own weight on both sides of each limit, walked down the rows (300) and across the columns
-    # (700 rows > N), with partial row tiles (129) and column tiles (N = 520).
-    gen = torch.Generator().manual_seed(num_experts)
-    counts = torch.randint(0, 3, (num_experts,), generator=gen) ** 4
-    counts[torch.randint(0, num_experts, (3,), generator=gen)] = torch.tensor([700, 300, 129])
-    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(num_experts, 64, 520, device="cuda", dtype=torch.bfloat16) / 8
-    dy = torch.randn(x.shape[0], 520, device="cuda", dtype=torch.bfloat16)
-    poison_allocator()
-    y = torch.ops.moe_core.grouped_gemm(x, w, counts.cuda(), False)
-    dx = torch.ops.moe_core.grouped_gemm(dy, w, counts.cuda(), True)
-    torch.testing.assert_close(y.double(), grouped_gemm_ref(x.double(), w.double(), counts, False),
-                               rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(dx.double(), grouped_gemm_ref(dy.double(), w.double(), counts, True),
-                               rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
-def test_forward_half_row_tiles_keep_every_row(trans_weight):
-    # The sm_90a row-tile forward and dgrad run an expert's last row tile as a 64-row half tile (the warpgroups
-    # side by side along N, stacked in the epilogue's buffers) when it holds at most 64 of the expert's rows:
-    # counts on both sides of 64 within the first row tile and after one and two full ones, a partial last
-    # column tile (N = 520) and a partial last k-tile (K = 200), element by element on NaN-poisoned memory.
-    torch.manual_seed(11)
-    counts = torch.tensor([1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 7, 320, 321])
-    k, n = 200, 520
+def assert_forward_and_dgrad_match_element_by_element(counts: torch.Tensor, k: int, n: int,
+                                                       trans_weight: bool) -> None:
+    """The bf16 forward of random x [T, k] and its dgrad from dy [T, n] against float64, element by element, on
+    poisoned memory; w is [E, n, k] when trans_weight, else [E, k, n]."""
     x = torch.randn(int(counts.sum()), k, device="cuda", dtype=torch.bfloat16)
     shape = (counts.numel(), n, k) if trans_weight else (counts.numel(), k, n)
     w = torch.randn(shape, device="cuda", dtype=torch.bfloat16) / k**0.5
@@ -395,6 +373,29 @@ def test_forward_half_row_tiles_keep_every_row(trans_weight):
                                rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(dx.double(), grouped_gemm_ref(dy.double(), w.double(), counts, not trans_weight),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("num_experts", [7, 9, 1024, 1025, 3000])
+def test_forward_lists_every_expert_whatever_its_warp(num_experts):
+    # The sm_90a row-tile forward and dgrad list their work tiles in min(ceil(E / 8), 128) blocks of 8 warps, a
+    # warp per expert, wrapping past 1024 experts (kMaxListBlocks x kListTileWarps): every expert's rows must
+    # come from its own weight on both sides of each limit, walked down the rows (300) and across the columns
+    # (700 rows > N), with partial row tiles (129) and column tiles (N = 520).
+    gen = torch.Generator().manual_seed(num_experts)
+    counts = torch.randint(0, 3, (num_experts,), generator=gen) ** 4
+    counts[torch.randint(0, num_experts, (3,), generator=gen)] = torch.tensor([700, 300, 129])
+    assert_forward_and_dgrad_match_element_by_element(counts, 64, 520, trans_weight=False)
+
+
+@pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
+def test_forward_half_row_tiles_keep_every_row(trans_weight):
+    # The sm_90a row-tile forward and dgrad run an expert's last row tile as a 64-row half tile (the warpgroups
+    # side by side along N, stacked in the epilogue's buffers) when it holds at most 64 of the expert's rows:
+    # counts on both sides of 64 within the first row tile and after one and two full ones, a partial last
+    # column tile (N = 520) and a partial last k-tile (K = 200), element by element on NaN-poisoned memory.
+    torch.manual_seed(11)
+    counts = torch.tensor([1, 63, 64, 65, 127, 128, 129, 191, 192, 193, 0, 7, 320, 321])
+    assert_forward_and_dgrad_match_element_by_element(counts, 200, 520, trans_weight)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
