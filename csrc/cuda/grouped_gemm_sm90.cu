@@ -54,9 +54,9 @@ void run(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, s
   else detail::launch<D, O, T>(p, workspace, sm_count, stream);
 }
 
-// The tuning candidates and the row-tile kernels are built for bf16 forward and wgrad only (see Tile).
+// The tuning candidates are built for bf16 forward and wgrad only, the row-tile kernels for bf16 and fp16 (see Tile).
 constexpr bool candidates_built(Dtype d, Op op) { return d == Dtype::kBf16 && op != Op::kWgradAccum; }
-constexpr bool rows_built(Dtype d, Op op) { return candidates_built(d, op); }
+constexpr bool rows_built(Dtype, Op op) { return op != Op::kWgradAccum; }
 
 template <Dtype D, Op O>
 void dispatch_tile(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, size_t* bytes) {
@@ -133,11 +133,11 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
   // against 2.95 ms (Nsight Compute, H100; docs/kernel_notes.md, v15). The row-range wgrad walks its own way
   // (it runs where an expert's operands fit in L2).
   s.along_n = forward ? p.m > p.n * p.num_experts : p.m > p.n;
-  // bf16 forward and dgrad: the row-tile kernel, static TMA descriptors instead of per-group ones, led the
+  // bf16/fp16 forward and dgrad: the row-tile kernel, static TMA descriptors instead of per-group ones, led the
   // pointer-array pick by 2-5% in geomean over the benchmark's shapes in three H100 runs (docs/kernel_notes.md).
   // It needs rows (T > 0, T < 2^31: CUTLASS's int problem shape) and expert and column-tile indices that fit
   // its work-tile fields (15 bits each, beside the half-tile flag).
-  // bf16 wgrad: the row-range kernel, the same idea with each expert's rows as the reduction (T > 0: its
+  // bf16/fp16 wgrad: the row-range kernel, the same idea with each expert's rows as the reduction (T > 0: its
   // descriptors cover x's rows; T = 0 keeps the pointer-array kernel, whose prepare kernel streams the zeros).
   // It walks each column of an expert's tiles down the rows of d[e], so the expert's rows of x (m wide) come
   // from L2 for every column after the first while they fit there: it pays up to 32 MiB of them for the mean
@@ -148,7 +148,7 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
                                       ceil_div(p.n, 256) < 32768
                                 : p.num_rows > 0 && p.num_rows < (int64_t{1} << 31);
   constexpr int64_t kL2RowsBytes = int64_t{32} << 20;
-  const bool rows_pay = forward || p.num_rows / p.num_experts * p.m * 2 <= kL2RowsBytes;  // bf16 rows
+  const bool rows_pay = forward || p.num_rows / p.num_experts * p.m * 2 <= kL2RowsBytes;  // 16-bit rows
   if (rows_built(p.dtype, p.op) && rows_fit && rows_pay) s.tile = Tile::kRows128x256;
   if (const char* forced = std::getenv("MOE_CORE_GEMM_TILE")) {
     if (std::strcmp(forced, "128x256") == 0) s.tile = Tile::k128x256;

@@ -33,7 +33,7 @@ enum class Tile {
                        // other's MMAs), cluster 1x2
   k256x128_2x1,        // 256x128x64, cooperative (each warpgroup 128 rows), cluster 2x1: a B tile serves 512
                        // rows, half the weight traffic into the SMs of 128x256_2x1 for the same tile area
-  kRows128x256,        // bf16 default for T > 0: 128x256x64 cooperative on CUTLASS's plain kernel with static
+  kRows128x256,        // bf16/fp16 default for T > 0: 128x256x64 cooperative on CUTLASS's plain kernel with static
                        // TMA descriptors over all of x, row tiles for the forward/dgrad
                        // (grouped_gemm_sm90_rows.cuh), each expert's row range for wgrad
                        // (grouped_gemm_sm90_wgrad_rows.cuh)

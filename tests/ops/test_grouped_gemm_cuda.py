@@ -115,14 +115,15 @@ def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight
     check_against_float64(counts, 520, 384, torch.bfloat16, trans_weight)
 
 
-def test_bf16_takes_the_static_descriptor_kernels_by_default(monkeypatch, capfd):
-    # The heuristics' own pick (no MOE_CORE_GEMM_TILE) for a bf16 forward and wgrad; the wgrad keeps the
-    # pointer-array kernel once the mean expert's rows of x pass 32 MiB (16384 x 1088 bf16: 34 MiB).
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_16_bit_types_take_the_static_descriptor_kernels_by_default(dtype, monkeypatch, capfd):
+    # The heuristics' own pick (no MOE_CORE_GEMM_TILE) for a forward and wgrad; the wgrad keeps the
+    # pointer-array kernel once the mean expert's rows of x pass 32 MiB (16384 x 1088 x 2 bytes: 34 MiB).
     monkeypatch.delenv("MOE_CORE_GEMM_TILE", raising=False)
     monkeypatch.setenv("MOE_CORE_GEMM_DEBUG", "1")
     torch.manual_seed(8)
-    check_against_float64(torch.tensor([1100, 948]), 64, 8192, torch.bfloat16, False)
-    check_against_float64(torch.tensor([16384]), 1088, 64, torch.bfloat16, False)
+    check_against_float64(torch.tensor([1100, 948]), 64, 8192, dtype, False)
+    check_against_float64(torch.tensor([16384]), 1088, 64, dtype, False)
     err = capfd.readouterr().err
     if torch.cuda.get_device_capability() == (9, 0) and "built without sm_90a" not in err:
         assert "forward (weight [E, K, N]): E=2 m=2048 n=8192 k=64 -> tile 128x256x64 cooperative row tiles" in err
