@@ -12,7 +12,7 @@
 // counts become row offsets and the experts' order by rows (the costliest walked first) in one small kernel,
 // and the work units (expert, cluster of tiles) follow from the shapes.
 // Measured (H100, A/Bs against the pointer-array pick): 3-8% faster where an expert's d[e] has under two waves of
-// tiles; with hundreds of tiles per expert 1-3% slower at first, 2-6% faster since v9-v17 (pick_schedule keeps
+// tiles; with hundreds of tiles per expert 1-3% slower at first, 1.5-6% faster since v9-v17 (pick_schedule keeps
 // the pointer-array kernel only where an expert's rows of x outgrow L2); cuBLAS's batched kernel ran the
 // equal-count case 12% faster before v9's scheduler fix, about 6% after (docs/kernel_notes.md, v9, v19).
 #pragma once
