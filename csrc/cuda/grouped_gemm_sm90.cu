@@ -18,7 +18,7 @@ const char* name(Tile t, Op op) {
     case Tile::k128x128_pingpong: return "128x128x64 pingpong cluster 1x2";
     case Tile::k256x128_2x1: return "256x128x64 cooperative cluster 2x1";
     case Tile::kRows128x256:
-      return op == Op::kWgrad ? "128x256x64 cooperative cluster 2x1 row ranges" : "128x256x64 cooperative row tiles";
+      return op == Op::kWgrad ? "128x256x32 cooperative cluster 2x1 row ranges" : "128x256x64 cooperative row tiles";
   }
   return "?";
 }

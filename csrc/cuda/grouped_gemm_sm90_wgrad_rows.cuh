@@ -290,19 +290,25 @@ struct RowRangeMainloop : Built {
                 cutlass::gemm::detail::is_major<0, typename Built::StrideB>(), "A and B must be M/N-major");
 };
 
-// 128x256x64 cooperative, cluster 2x1 (the dy tile multicast to two row tiles of d[e]), CUTLASS's TMA epilogue
-// in 128x32 subtiles with 4 store stages instead of the builder's 2 (fewer waits on the previous subtile's
-// store). Against 128x256 1x1 and 256x128 1x1/1x2, 1x2 and 2 store stages, this led by 1-3% in geomean over
-// the benchmark's wgrad shapes in two H100 runs (docs/kernel_notes.md); 256x128 1x2, cuBLAS's pick for the
-// equal-count batch, tied it in an interleaved A/B. The epilogue only converts (d = acc): LinearCombination's
-// alpha = 1 still cost a multiply per element, 128 a thread per tile while the tensor cores wait (wgrad
-// geomean +1.1% without them in an H100 A/B). The row tiles' epilogue (two 128x64 boxes, 32-bit shared stores
-// instead of `stmatrix`) ran the wgrad 3-5% slower, also with each warpgroup's MMAs split into two halves so that
-// it could store one half while the other's last MMAs ran (docs/kernel_notes.md, v8 and v10).
+// 128x256x32 cooperative, cluster 2x1 (the dy tile multicast to two row tiles of d[e]), CUTLASS's TMA epilogue in
+// 128x32 subtiles with 4 store stages instead of the builder's 2 (fewer waits on the previous subtile's store).
+// Against 128x256 1x1 and 256x128 1x1/1x2, 1x2 and 2 store stages, this led by 1-3% in geomean over the benchmark's
+// wgrad shapes in two H100 runs (docs/kernel_notes.md); 256x128 1x2, cuBLAS's pick for the equal-count batch, tied
+// it in an interleaved A/B. 32-row k-tiles fit 8 stages of 24 KB where 64-row ones fit 4 of 48 KB: 168 KB of loads
+// can run ahead of the MMAs instead of 144, a tile's last wgmma batch is half as long to wait for, and an expert's
+// last k-tile loads at most 31 rows past it instead of 63. Wgrad geomean +0.9-1.5% in four same-process H100 A/Bs
+// (the benchmark's counts twice, routed counts, fp16), skewed counts +1.7-4.2%; 16-row k-tiles lost 5%, and staging
+// all of a tile's output at once (3 stages of 64 rows) lost 2-8% in geomean (docs/kernel_notes.md, v21). Both
+// operands are M/N-major, so their 128-byte swizzle does not depend on the k-tile; the forward's K-major operands
+// would drop to a 64-byte one. The epilogue only converts (d = acc): LinearCombination's alpha = 1 still cost a
+// multiply per element, 128 a thread per tile while the tensor cores wait (wgrad geomean +1.1% without them in an
+// H100 A/B). The row tiles' epilogue (two 128x64 boxes, 32-bit shared stores instead of `stmatrix`) ran the wgrad
+// 3-5% slower, also with each warpgroup's MMAs split into two halves so that it could store one half while the
+// other's last MMAs ran (docs/kernel_notes.md, v8 and v10).
 template <Dtype D>
 struct WgradRowsConfig {
   using Element = typename ElementOf<D>::type;
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_32>;
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using LayoutA = typename LayoutsOf<Op::kWgrad>::A;
   using LayoutB = typename LayoutsOf<Op::kWgrad>::B;

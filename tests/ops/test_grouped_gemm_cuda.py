@@ -127,7 +127,7 @@ def test_16_bit_types_take_the_static_descriptor_kernels_by_default(dtype, monke
     err = capfd.readouterr().err
     if torch.cuda.get_device_capability() == (9, 0) and "built without sm_90a" not in err:
         assert "forward (weight [E, K, N]): E=2 m=2048 n=8192 k=64 -> tile 128x256x64 cooperative row tiles" in err
-        assert re.search(r"wgrad: E=2 m=64 n=8192 .* -> tile 128x256x64 cooperative cluster 2x1 row ranges", err)
+        assert re.search(r"wgrad: E=2 m=64 n=8192 .* -> tile 128x256x32 cooperative cluster 2x1 row ranges", err)
         wgrad = re.search(r"wgrad: E=1 m=1088 n=64 .* -> tile ([^,]*),", err)
         assert wgrad and "row ranges" not in wgrad.group(1)
 
@@ -338,8 +338,8 @@ def assert_wgrad_matches_element_by_element(counts: torch.Tensor, k: int, n: int
 
 
 def test_wgrad_partial_k_tiles_keep_every_row():
-    # The sm_90a row-range wgrad runs an expert's last, partial 64-row k-tile with only the 16-row wgmmas that
-    # hold its rows: counts on both sides of every 16-row step, within one k-tile and after a full one. A wgmma
+    # The sm_90a row-range wgrad runs an expert's last, partial 32-row k-tile with only the 16-row wgmmas that
+    # hold its rows: counts on both sides of every 16-row step, within one k-tile and after full ones. A wgmma
     # skipped one step too early drops up to 16 rows' products, far beyond the tolerance.
     counts = torch.tensor([1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 81, 127, 0, 5])
     assert_wgrad_matches_element_by_element(counts, 128, 256)
