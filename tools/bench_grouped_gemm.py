@@ -8,10 +8,13 @@ the compared kernels alike; the spread between rounds is reported as the noise f
 over enough copies to exceed L2. TFLOP/s count 2 T K N per pass (6 T K N for forward+backward). The dense
 provider multiplies the same total rows by one weight: the ceiling a grouped kernel can hope for.
 
-Usage: python3 tools/bench_grouped_gemm.py [--quick] [--sweep] [--tile TILE] [--json out.json]
+Usage: python3 tools/bench_grouped_gemm.py [--quick] [--sweep] [--tile TILE] [--batched] [--json out.json]
 (--sweep instead times moe_core alone under every sm_90a schedule forced through MOE_CORE_GEMM_TILE,
 MOE_CORE_GEMM_RASTER and MOE_CORE_GEMM_SWIZZLE, and prints the best per shape and pass: the heuristics'
-tuning data. --tile also times moe_core with MOE_CORE_GEMM_TILE=TILE forced, in the same rounds.)
+tuning data. --tile also times moe_core with MOE_CORE_GEMM_TILE=TILE forced, in the same rounds. --batched also
+times cuBLAS's strided-batched GEMM (torch.bmm over [E, T / E, ...] views) on the shapes with equal counts, in
+the same rounds: what a kernel given every group's size on the host reaches, which moe_core cannot be without a
+host sync.)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import moe_core.ops  # noqa: F401  (registers torch.ops.moe_core.*)
 
 PASSES = ("fwd", "dgrad", "wgrad", "fwd+bwd")
 PROVIDERS = ("moe_core", "torch._grouped_mm", "loop", "dense")
+BATCHED = "cublas_batched"  # --batched: equal counts only
 ROTATE_BYTES = 256 << 20  # about 5x an H100's L2
 
 
@@ -153,6 +157,13 @@ def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int]):
 
         def wgrad(x, w, dy):
             return torch.stack([xe.t() @ de for xe, de in zip(x.split(counts_list), dy.split(counts_list))])
+    elif provider == BATCHED:
+        e, rows = len(counts_list), counts_list[0]
+        if any(c != rows for c in counts_list):
+            raise ValueError(f"{BATCHED} needs equal counts, got {len(set(counts_list))} distinct ones")
+        fwd = lambda x, w, dy: torch.bmm(x.view(e, rows, -1), w)
+        dgrad = lambda x, w, dy: torch.bmm(dy.view(e, rows, -1), w.transpose(1, 2))
+        wgrad = lambda x, w, dy: torch.bmm(x.view(e, rows, -1).transpose(1, 2), dy.view(e, rows, -1))
     else:  # dense: the same rows against one expert's weight
         fwd = lambda x, w, dy: x @ w[0]
         dgrad = lambda x, w, dy: dy @ w[0].t()
@@ -177,7 +188,7 @@ def schedule_name(env: dict | None) -> str:
 
 
 def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = False,
-                tile: str | None = None) -> dict:
+                tile: str | None = None, batched: bool = False) -> dict:
     k, n, e, t = spec["k"], spec["n"], spec["e"], spec["t"]
     counts = make_counts(e, t, spec["skew"], gen)
     bytes_per_copy = 2 * (t * k + e * k * n + t * n)
@@ -190,6 +201,8 @@ def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = 
     configs = [("moe_core", None)] + [("moe_core", env) for env in SWEEP] if sweep else [(p, None) for p in PROVIDERS]
     if tile:
         configs.append(("moe_core", dict(MOE_CORE_GEMM_TILE=tile)))
+    if batched and len(set(counts.tolist())) == 1:
+        configs.append((BATCHED, None))
     passes = PASSES[:3] if sweep else PASSES
     rounds: dict = {}  # (provider, schedule, pass) -> [median of each round]
     failed = set()
@@ -246,6 +259,29 @@ def print_forced_tile(results: list[dict], tile: str) -> None:
             print(f"{'':13s} {r['name']:40s} {name:8s} {tf:8.1f} {fmt(vs_default, '10.2f')} {fmt(vs_gmm, '14.2f')}")
     print(f"forced tile {tile}, geomean vs torch._grouped_mm: " + ", ".join(
         f"{k} {math.exp(sum(map(math.log, v)) / len(v)):.2f}x" for k, v in geo.items() if all(v)))
+
+
+def batched_ceiling(results: list[dict]) -> dict:
+    """cuBLAS's strided-batched GEMM on the equal-count shapes, against torch._grouped_mm and moe_core: per pass,
+    the geometric means over the shapes it ran of cublas_batched / torch._grouped_mm and moe_core /
+    cublas_batched; printed with a row per shape and pass, and returned."""
+    ran = [r for r in results if BATCHED in r["tflops"]]
+    if not ran:
+        return {}
+    print(f"\n{'shape':40s} {'pass':8s} {BATCHED:>15s} {'vs _grouped_mm':>14s} {'moe_core vs it':>14s}")
+    logs: dict = {}
+    for r in ran:
+        for name, tf in r["tflops"][BATCHED].items():
+            vs_gmm, mine = ratio(tf, r["tflops"]["torch._grouped_mm"][name]), ratio(r["tflops"]["moe_core"][name], tf)
+            logs.setdefault(name, []).append((math.log(vs_gmm), math.log(mine)))
+            print(f"{r['name']:40s} {name:8s} {tf:15.1f} {vs_gmm:14.3f} {mine:14.3f}")
+    out = {name: dict(vs_grouped_mm=math.exp(statistics.fmean(a for a, _ in v)),
+                      moe_core_vs_batched=math.exp(statistics.fmean(b for _, b in v)), shapes=len(v))
+           for name, v in logs.items()}
+    print(f"geomean over the {len(ran)} equal-count shapes: " + ", ".join(
+        f"{name} {BATCHED} / torch._grouped_mm {g['vs_grouped_mm']:.3f}x, moe_core / {BATCHED} "
+        f"{g['moe_core_vs_batched']:.3f}x" for name, g in out.items()))
+    return out
 
 
 def device_ceilings() -> dict:
@@ -345,6 +381,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes and iterations")
     parser.add_argument("--sweep", action="store_true", help="time moe_core under every sm_90a schedule")
     parser.add_argument("--tile", help="also time moe_core with this MOE_CORE_GEMM_TILE forced")
+    parser.add_argument("--batched", action="store_true",
+                        help=f"also time cuBLAS's strided-batched GEMM ({BATCHED}) on the equal-count shapes")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -354,7 +392,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     results = []
     for spec in shapes(args.quick):
-        results.append(bench_shape(spec, timing, gen, args.sweep, None if args.sweep else args.tile))
+        results.append(bench_shape(spec, timing, gen, args.sweep, None if args.sweep else args.tile,
+                                   args.batched and not args.sweep))
         print(f"done {spec['name']}", file=sys.stderr, flush=True)
     if args.sweep:
         print_sweep(results)
@@ -367,6 +406,7 @@ def main() -> None:
     skew = skewed_vs_uniform(results)
     if args.tile:
         print_forced_tile(results, args.tile)
+    batched = batched_ceiling(results)
     ceilings = device_ceilings()
     print(f"ceilings: HBM copy {ceilings['hbm_gb_s']:.0f} GB/s, "
           f"dense bf16 matmul {ceilings['bf16_tflops']:.0f} TFLOP/s")
@@ -377,8 +417,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results,
-                           geomean_vs_grouped_mm=geomeans, skewed_vs_uniform=skew, empty_call_us=latency,
-                           ceilings=ceilings), f, indent=1)
+                           geomean_vs_grouped_mm=geomeans, skewed_vs_uniform=skew, batched_ceiling=batched,
+                           empty_call_us=latency, ceilings=ceilings), f, indent=1)
 
 
 if __name__ == "__main__":

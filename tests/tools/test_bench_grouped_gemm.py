@@ -3,6 +3,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import bench_grouped_gemm as bench  # noqa: E402
@@ -14,7 +15,7 @@ def _predecessors(plan, configs):
     return list(zip(sequence[1:], sequence[:-1]))
 
 
-@pytest.mark.parametrize("extra", [[], [("moe_core", {"MOE_CORE_GEMM_TILE": "rows"})]])
+@pytest.mark.parametrize("extra", [[], [("moe_core", {"MOE_CORE_GEMM_TILE": "rows"})], [(bench.BATCHED, None)]])
 def test_compared_kernels_never_follow_the_loop_and_take_every_place_alike(extra):
     configs = [(p, None) for p in bench.PROVIDERS] + extra
     compared = [c for c in configs if c[0] != "loop"]
@@ -47,3 +48,32 @@ def test_skewed_shapes_are_compared_with_the_same_shape_under_uniform_counts():
     assert bench.skewed_vs_uniform(results) == {"T32768 0.3": {"fwd": 0.8}}
     names = [s["name"] for s in bench.shapes(quick=True)]
     assert all(n.removesuffix(" skewed") in names for n in names if n.endswith(" skewed"))
+
+
+def test_batched_provider_matches_the_per_expert_loop_and_refuses_unequal_counts():
+    e, rows, k, n = 3, 4, 5, 6
+    x, dy = torch.randn(e * rows, k, dtype=torch.float64), torch.randn(e * rows, n, dtype=torch.float64)
+    w = torch.randn(e, k, n, dtype=torch.float64)
+    counts = [rows] * e
+    batched, loop = bench.pass_fns(bench.BATCHED, None, counts), bench.pass_fns("loop", None, counts)
+    torch.testing.assert_close(batched["fwd"](x, w, dy).reshape(e * rows, n), loop["fwd"](x, w, dy))
+    torch.testing.assert_close(batched["dgrad"](x, w, dy).reshape(e * rows, k), loop["dgrad"](x, w, dy))
+    torch.testing.assert_close(batched["wgrad"](x, w, dy), loop["wgrad"](x, w, dy))
+    with pytest.raises(ValueError, match="equal counts"):
+        bench.pass_fns(bench.BATCHED, None, [4, 3, 5])
+
+
+def test_batched_ceiling_takes_geomeans_over_the_shapes_it_ran():
+    def result(name, batched, gmm, mine):
+        tflops = {"moe_core": {"fwd": mine}, "torch._grouped_mm": {"fwd": gmm}}
+        if batched:
+            tflops[bench.BATCHED] = {"fwd": batched}
+        return dict(name=name, tflops=tflops)
+
+    results = [result("a", 440.0, 400.0, 420.0), result("b", 600.0, 500.0, 540.0),
+               result("skewed", None, 300.0, 360.0)]
+    out = bench.batched_ceiling(results)
+    assert out["fwd"]["shapes"] == 2
+    assert out["fwd"]["vs_grouped_mm"] == pytest.approx((1.1 * 1.2) ** 0.5)
+    assert out["fwd"]["moe_core_vs_batched"] == pytest.approx((420 / 440 * 540 / 600) ** 0.5)
+    assert bench.batched_ceiling(results[2:]) == {}
