@@ -8,9 +8,9 @@
 // work tile (row tile of d, column tile, expert e) reads its k-tiles from e's first row on (TMA coordinates are
 // element indices, so the start need not be tile-aligned), and the consumer warpgroups zero the rows of the
 // last k-tile that lie past e's rows (the next expert's) in shared memory before their MMAs. An expert with no
-// rows has no k-tiles and its tiles store zeros; every d[e] is written by the GEMM itself. No host sync: the
-// counts become row offsets and the experts' order by rows (the costliest walked first) in one small kernel,
-// and the work units (expert, cluster of tiles) follow from the shapes.
+// rows runs one such k-tile, wholly masked, and its tiles store zeros; every d[e] is written by the GEMM itself.
+// No host sync: the counts become row offsets and the experts' order by rows (the costliest walked first) in one
+// small kernel, and the work units (expert, cluster of tiles) follow from the shapes.
 // Measured (H100, A/Bs against the pointer-array pick): 3-8% faster where an expert's d[e] has under two waves of
 // tiles; with hundreds of tiles per expert 1-3% slower at first, 1.5-6% faster since v9-v17 (pick_schedule keeps
 // the pointer-array kernel only where an expert's rows of x outgrow L2); cuBLAS's batched kernel ran the
@@ -99,7 +99,8 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   template <class ProblemShape, class TileShape>
   CUTLASS_HOST_DEVICE static RowRange get_work_k_tile_count(WorkTileInfo const& work, ProblemShape, TileShape) {
     constexpr int kBlockK = cute::size<2>(TileShape{});
-    return {work.row_start, work.rows, work.rows / kBlockK + (work.rows % kBlockK != 0)};
+    // An expert without rows still runs one k-tile, wholly masked, so that its zeros come from the MMAs.
+    return {work.row_start, work.rows, cute::max(1, work.rows / kBlockK + (work.rows % kBlockK != 0))};
   }
 
   RowRangeScheduler() = default;
@@ -228,17 +229,21 @@ struct RowRangeMainloop : Built {
     auto thread_mma = tiled_mma.get_slice(warp_group * cutlass::NumThreadsPerWarpGroup);
     Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA, MMA_M, MMA_K, PIPE)
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
-    if (range.k_tiles == 0) {  // an expert without rows: its d[e] tile is zeros
-      clear(accum);
-      return;
-    }
+    // The first MMA runs with scale-d off and never reads the accumulators, so they get a definition that costs no
+    // instruction. Left undefined, they reach warpgroup_fence_operand (an asm that reads them) as undef, which NVVM
+    // materialized as zeros: 64 CS2R a thread at every tile start, where cuBLAS's kernel has none; and an empty
+    // expert's branch that cleared them was hoisted above the branch to the same effect (opaque zeros there made
+    // ptxas serialize every wgmma, C7515). Without them the wgrad ran 1.0075x in geomean, 0.99-1.03x a shape (H100
+    // A/B, v22 in docs/kernel_notes.md).
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); ++i) asm volatile("" : "=f"(accum(i)));
     PipelineState release = read;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
-    // One k-tile's MMAs. A partial k-tile (the expert's last) is masked and skips the wgmmas whose k-rows all
-    // lie past the expert. It runs after the loop over the full k-tiles: ptxas fences every wgmma that a branch
-    // can skip (C7519), and inside the loop that cost the equal-count shapes' wgrads 2-6% (H100 A/B, v16 in
-    // docs/kernel_notes.md).
+    // One k-tile's MMAs. A partial k-tile (the expert's last, or an empty expert's only one) is masked and skips
+    // the wgmmas whose k-rows all lie past the expert, save the first, which sets the accumulators. It runs after
+    // the loop over the full k-tiles: ptxas fences every wgmma that a branch can skip (C7519), and inside the loop
+    // that cost the equal-count shapes' wgrads 2-6% (H100 A/B, v16 in docs/kernel_notes.md).
     auto k_tile = [&](int kt, auto partial) {
       pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
       const int stage = read.index();
@@ -248,7 +253,7 @@ struct RowRangeMainloop : Built {
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
       for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-        if (!decltype(partial)::value || kb * kMmaK < valid) {
+        if (!decltype(partial)::value || kb == 0 || kb * kMmaK < valid) {
           gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
           tiled_mma.accumulate_ = GMMA::ScaleOut::One;
         }
@@ -263,14 +268,14 @@ struct RowRangeMainloop : Built {
   }
 
  private:
-  // Zeros the k-rows [valid, end of valid's 16-row wgmma) of both operands in `stage`: they hold the next
-  // expert's rows (or TMA's zeros past T), and zeroing both keeps a non-finite value there out of this expert's
-  // sum (0 x inf is NaN). The rows of the wgmmas that mma skips stay as they are: zeroing them too cost the
-  // 4-row experts' wgrad 3% (H100 A/B, v17 in docs/kernel_notes.md). All consumer threads take part and meet
+  // Zeros the k-rows [valid, end of valid's 16-row wgmma, at least one) of both operands in `stage`: they hold
+  // the next expert's rows (or TMA's zeros past T), and zeroing both keeps a non-finite value there out of this
+  // expert's sum (0 x inf is NaN). The rows of the wgmmas that mma skips stay as they are: zeroing them too cost
+  // the 4-row experts' wgrad 3% (H100 A/B, v17 in docs/kernel_notes.md). All consumer threads take part and meet
   // before any MMA reads the stage; the fence orders the writes before wgmma's (async proxy) reads.
   template <class TensorA, class TensorB>
   CUTLASS_DEVICE static void mask_rows_from(TensorA& sA, TensorB& sB, int stage, int valid, int thread_idx) {
-    const int end = (valid + kMmaK - 1) / kMmaK * kMmaK;
+    const int end = valid > 0 ? (valid + kMmaK - 1) / kMmaK * kMmaK : kMmaK;
     zero_rows<kBlockM>(sA, stage, valid, end, thread_idx);
     zero_rows<kBlockN>(sB, stage, valid, end, thread_idx);
     cutlass::arch::fence_view_async_shared();

@@ -315,16 +315,18 @@ def test_wgrad_of_experts_past_the_rows_is_zero(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_wgrad_of_an_expert_reads_only_its_rows(dtype):
-    # dW[e] depends on expert e's rows alone: infinities in expert 1's rows, which the sm_90a row-range kernel
-    # loads into expert 0's last k-tile and masks, must not reach dW[0] (0 * inf is NaN); expert 2's last
-    # k-tile runs past T.
-    counts = torch.tensor([5, 70, 3], device="cuda")
+    # dW[e] depends on expert e's rows alone: infinities in expert 2's rows, which the sm_90a row-range kernel
+    # loads into expert 0's last k-tile and empty expert 1's only one and masks, must not reach dW[0] or dW[1]
+    # (0 * inf is NaN); expert 3's last k-tile runs past T.
+    counts = torch.tensor([5, 0, 70, 3], device="cuda")
     x, dy = torch.randn(78, 136, device="cuda", dtype=dtype), torch.randn(78, 40, device="cuda", dtype=dtype)
     x[5:75], dy[5:75] = float("inf"), float("inf")
+    poison_allocator()
     dw = torch.ops.moe_core.grouped_gemm_wgrad(x, dy, counts, False)
-    for e, rows in ((0, slice(0, 5)), (2, slice(75, 78))):
+    for e, rows in ((0, slice(0, 5)), (3, slice(75, 78))):
         ref = x[rows].double().t() @ dy[rows].double()
         torch.testing.assert_close(dw[e].double(), ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(dw[1], torch.zeros(136, 40, device="cuda", dtype=dtype))
 
 
 def assert_wgrad_matches_element_by_element(counts: torch.Tensor, k: int, n: int) -> None:
