@@ -8,7 +8,7 @@
 // work tile (row tile of d, column tile, expert e) reads its k-tiles from e's first row on (TMA coordinates are
 // element indices, so the start need not be tile-aligned), and the consumer warpgroups zero the rows of the
 // last k-tile that lie past e's rows (the next expert's) in shared memory before their MMAs. An expert with no
-// rows runs one such k-tile, wholly masked, and its tiles store zeros; every d[e] is written by the GEMM itself.
+// rows runs one k-tile read past T (TMA fills zeros) and its tiles store zeros; every d[e] is written by the GEMM.
 // No host sync: the counts become row offsets and the experts' order by rows (the costliest walked first) in one
 // small kernel, and the work units (expert, cluster of tiles) follow from the shapes.
 // Measured (H100, A/Bs against the pointer-array pick): 3-8% faster where an expert's d[e] has under two waves of
@@ -97,10 +97,14 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   }
 
   template <class ProblemShape, class TileShape>
-  CUTLASS_HOST_DEVICE static RowRange get_work_k_tile_count(WorkTileInfo const& work, ProblemShape, TileShape) {
+  CUTLASS_HOST_DEVICE static RowRange get_work_k_tile_count(WorkTileInfo const& work, ProblemShape shape,
+                                                           TileShape) {
     constexpr int kBlockK = cute::size<2>(TileShape{});
-    // An expert without rows still runs one k-tile, wholly masked, so that its zeros come from the MMAs.
-    return {work.row_start, work.rows, cute::max(1, work.rows / kBlockK + (work.rows % kBlockK != 0))};
+    // An expert without rows still runs one k-tile, so that its zeros come from the MMAs: from row T on, where
+    // TMA fills zeros and nothing needs masking (reading and masking the next expert's rows instead ran the skewed
+    // wgrads 0.2-3.6% slower, H100 A/B, v22 in docs/kernel_notes.md).
+    if (work.rows == 0) return {static_cast<int32_t>(cute::get<2>(shape)), 0, 1};
+    return {work.row_start, work.rows, work.rows / kBlockK + (work.rows % kBlockK != 0)};
   }
 
   RowRangeScheduler() = default;
@@ -240,15 +244,17 @@ struct RowRangeMainloop : Built {
     PipelineState release = read;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
-    // One k-tile's MMAs. A partial k-tile (the expert's last, or an empty expert's only one) is masked and skips
-    // the wgmmas whose k-rows all lie past the expert, save the first, which sets the accumulators. It runs after
-    // the loop over the full k-tiles: ptxas fences every wgmma that a branch can skip (C7519), and inside the loop
-    // that cost the equal-count shapes' wgrads 2-6% (H100 A/B, v16 in docs/kernel_notes.md).
+    // One k-tile's MMAs. A partial k-tile (the expert's last, or an empty expert's only one, all zeros) is masked
+    // and skips the wgmmas whose k-rows all lie past the expert, save the first, which sets the accumulators. It
+    // runs after the loop over the full k-tiles: ptxas fences every wgmma that a branch can skip (C7519), and
+    // inside the loop that cost the equal-count shapes' wgrads 2-6% (H100 A/B, v16 in docs/kernel_notes.md).
     auto k_tile = [&](int kt, auto partial) {
       pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
       const int stage = read.index();
       const int valid = range.rows - kt * kBlockK;
-      if constexpr (decltype(partial)::value) mask_rows_from(sA, sB, stage, valid, thread_idx);
+      if constexpr (decltype(partial)::value) {
+        if (valid > 0) mask_rows_from(sA, sB, stage, valid, thread_idx);
+      }
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
       CUTLASS_PRAGMA_UNROLL
@@ -268,14 +274,14 @@ struct RowRangeMainloop : Built {
   }
 
  private:
-  // Zeros the k-rows [valid, end of valid's 16-row wgmma, at least one) of both operands in `stage`: they hold
-  // the next expert's rows (or TMA's zeros past T), and zeroing both keeps a non-finite value there out of this
-  // expert's sum (0 x inf is NaN). The rows of the wgmmas that mma skips stay as they are: zeroing them too cost
-  // the 4-row experts' wgrad 3% (H100 A/B, v17 in docs/kernel_notes.md). All consumer threads take part and meet
+  // Zeros the k-rows [valid, end of valid's 16-row wgmma) of both operands in `stage`: they hold the next
+  // expert's rows (or TMA's zeros past T), and zeroing both keeps a non-finite value there out of this expert's
+  // sum (0 x inf is NaN). The rows of the wgmmas that mma skips stay as they are: zeroing them too cost the
+  // 4-row experts' wgrad 3% (H100 A/B, v17 in docs/kernel_notes.md). All consumer threads take part and meet
   // before any MMA reads the stage; the fence orders the writes before wgmma's (async proxy) reads.
   template <class TensorA, class TensorB>
   CUTLASS_DEVICE static void mask_rows_from(TensorA& sA, TensorB& sB, int stage, int valid, int thread_idx) {
-    const int end = valid > 0 ? (valid + kMmaK - 1) / kMmaK * kMmaK : kMmaK;
+    const int end = (valid + kMmaK - 1) / kMmaK * kMmaK;
     zero_rows<kBlockM>(sA, stage, valid, end, thread_idx);
     zero_rows<kBlockN>(sB, stage, valid, end, thread_idx);
     cutlass::arch::fence_view_async_shared();
