@@ -244,10 +244,11 @@ struct RowRangeMainloop : Built {
     PipelineState release = read;
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
-    // One k-tile's MMAs. A partial k-tile (the expert's last, or an empty expert's only one, all zeros) is masked
-    // and skips the wgmmas whose k-rows all lie past the expert, save the first, which sets the accumulators. It
-    // runs after the loop over the full k-tiles: ptxas fences every wgmma that a branch can skip (C7519), and
-    // inside the loop that cost the equal-count shapes' wgrads 2-6% (H100 A/B, v16 in docs/kernel_notes.md).
+    // One k-tile's MMAs. A partial k-tile (the expert's last) is masked and skips the wgmmas whose k-rows all lie
+    // past the expert, save the first, which sets the accumulators; an empty expert's only k-tile (TMA's zeros)
+    // needs no mask. It runs after the loop over the full k-tiles: ptxas fences every wgmma that a branch can skip
+    // (C7519), and inside the loop that cost the equal-count shapes' wgrads 2-6% (H100 A/B, v16 in
+    // docs/kernel_notes.md).
     auto k_tile = [&](int kt, auto partial) {
       pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
       const int stage = read.index();
