@@ -3,7 +3,7 @@
 PYTHON ?= python3
 STAMP := .install-stamp
 
-.PHONY: install train test gpu-test cuda-check
+.PHONY: install train test lint gpu-test cuda-check
 
 install: $(STAMP)
 
@@ -21,12 +21,17 @@ train: install
 test: install
 	$(PYTHON) -m pytest -q $(ARGS)
 
+# ruff with the rules of pyproject.toml's [tool.ruff] (CI runs it first).
+lint: install
+	$(PYTHON) -m ruff check .
+
 # On a CUDA machine: the GPU tests, then the parallel suite on NCCL (world-4 tests skip on fewer GPUs).
 gpu-test: install
 	$(PYTHON) -m pytest -q -m gpu $(ARGS)
 	MOE_CORE_TEST_BACKEND=nccl $(PYTHON) -m pytest -q tests/parallel $(ARGS)
 
-# Compiles csrc/cuda for sm_90a with CUTLASS, without a GPU: needs only nvcc on the PATH (CI runs it).
+# Compiles csrc/cuda for sm_90a with CUTLASS, without a GPU: needs only nvcc on the PATH. CI runs it with
+# ARGS="--changed-since BASE" (only what a change can break); plain `make cuda-check` compiles everything.
 cuda-check: install
 	$(PYTHON) -m pip install -q nvidia-cutlass==4.2.0.0
 	$(PYTHON) tools/check_cuda_compile.py $(ARGS)

@@ -9,9 +9,9 @@ import glob
 import os
 import shutil
 
+import torch
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
-import torch
 
 
 def _want_cuda() -> bool:

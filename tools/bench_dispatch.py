@@ -14,10 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import statistics
+import sys
 import time
-
 from pathlib import Path
 
 import torch
@@ -107,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             meta = dict(ep=pg.ep_size, backend=dist.get_backend(), device=gpu, **vars(args))
             Path(args.json).write_text(json.dumps(
-                [dict(meta, dispatcher=name, median_ms=med, min_ms=low, **{"pass": p}) for name, p, med, low in rows], indent=1))
+                [dict(meta, dispatcher=name, median_ms=med, min_ms=low, **{"pass": p}) for name, p, med, low in rows],
+                indent=1))
     dist.destroy_process_group()
 
 

@@ -104,7 +104,7 @@ def time_samples(fn, inputs: list, timing: Timing) -> list[float]:
         fn(*args)
         ends[i].record()
     torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
 
 
 def time_ms(fn, inputs: list, timing: Timing) -> float:
@@ -140,41 +140,38 @@ def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int]):
     """{pass: fn(x, w, dy)} for one provider; w is [E, K, N] bf16."""
     ops = torch.ops.moe_core
     if provider == "moe_core":
-        fwd = lambda x, w, dy: ops.grouped_gemm(x, w, counts_gpu, False)
-        dgrad = lambda x, w, dy: ops.grouped_gemm(dy, w, counts_gpu, True)
-        wgrad = lambda x, w, dy: ops.grouped_gemm_wgrad(x, dy, counts_gpu, False)
+        passes = {"fwd": lambda x, w, dy: ops.grouped_gemm(x, w, counts_gpu, False),
+                  "dgrad": lambda x, w, dy: ops.grouped_gemm(dy, w, counts_gpu, True),
+                  "wgrad": lambda x, w, dy: ops.grouped_gemm_wgrad(x, dy, counts_gpu, False)}
     elif provider == "torch._grouped_mm":
         offs = torch.cumsum(counts_gpu, 0, dtype=torch.int32)
-        fwd = lambda x, w, dy: torch._grouped_mm(x, w, offs=offs)
-        dgrad = lambda x, w, dy: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)
-        wgrad = lambda x, w, dy: torch._grouped_mm(x.t(), dy, offs=offs)
+        passes = {"fwd": lambda x, w, dy: torch._grouped_mm(x, w, offs=offs),
+                  "dgrad": lambda x, w, dy: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs),
+                  "wgrad": lambda x, w, dy: torch._grouped_mm(x.t(), dy, offs=offs)}
     elif provider == "loop":
-        def fwd(x, w, dy):
-            return torch.cat([xe @ w[e] for e, xe in enumerate(x.split(counts_list))])
-
-        def dgrad(x, w, dy):
-            return torch.cat([de @ w[e].t() for e, de in enumerate(dy.split(counts_list))])
-
-        def wgrad(x, w, dy):
-            return torch.stack([xe.t() @ de for xe, de in zip(x.split(counts_list), dy.split(counts_list))])
+        passes = {
+            "fwd": lambda x, w, dy: torch.cat([xe @ w[e] for e, xe in enumerate(x.split(counts_list))]),
+            "dgrad": lambda x, w, dy: torch.cat([de @ w[e].t() for e, de in enumerate(dy.split(counts_list))]),
+            "wgrad": lambda x, w, dy: torch.stack(
+                [xe.t() @ de for xe, de in zip(x.split(counts_list), dy.split(counts_list), strict=True)]),
+        }
     elif provider == BATCHED:
         e, rows = len(counts_list), counts_list[0]
         if any(c != rows for c in counts_list):
             raise ValueError(f"{BATCHED} needs equal counts, got {len(set(counts_list))} distinct ones")
-        fwd = lambda x, w, dy: torch.bmm(x.view(e, rows, -1), w)
-        dgrad = lambda x, w, dy: torch.bmm(dy.view(e, rows, -1), w.transpose(1, 2))
-        wgrad = lambda x, w, dy: torch.bmm(x.view(e, rows, -1).transpose(1, 2), dy.view(e, rows, -1))
+        passes = {"fwd": lambda x, w, dy: torch.bmm(x.view(e, rows, -1), w),
+                  "dgrad": lambda x, w, dy: torch.bmm(dy.view(e, rows, -1), w.transpose(1, 2)),
+                  "wgrad": lambda x, w, dy: torch.bmm(x.view(e, rows, -1).transpose(1, 2), dy.view(e, rows, -1))}
     else:  # dense: the same rows against one expert's weight
-        fwd = lambda x, w, dy: x @ w[0]
-        dgrad = lambda x, w, dy: dy @ w[0].t()
-        wgrad = lambda x, w, dy: x.t() @ dy
+        passes = {"fwd": lambda x, w, dy: x @ w[0],
+                  "dgrad": lambda x, w, dy: dy @ w[0].t(),
+                  "wgrad": lambda x, w, dy: x.t() @ dy}
 
     def both(x, w, dy):
-        fwd(x, w, dy)
-        dgrad(x, w, dy)
-        wgrad(x, w, dy)
+        for fn in passes.values():
+            fn(x, w, dy)
 
-    return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "fwd+bwd": both}
+    return {**passes, "fwd+bwd": both}
 
 
 SM90_TILES = ("128x256", "128x128", "128x256c21", "128x128pp", "256x128c21")
@@ -321,7 +318,7 @@ def empty_call_latency_us() -> dict:
                 with torch.cuda.graph(graph):
                     for _ in range(calls_per_graph):
                         fn(x, w, dy)
-                graph_us = 1e3 * time_ms(lambda: graph.replay(), [()], FULL) / calls_per_graph
+                graph_us = 1e3 * time_ms(graph.replay, [()], FULL) / calls_per_graph
             except RuntimeError as err:
                 print(f"  all-empty {provider} {name}: {str(err).splitlines()[0]}", file=sys.stderr)
                 continue
@@ -413,7 +410,8 @@ def main() -> None:
     latency = empty_call_latency_us()
     for provider, per_pass in latency.items():
         print(f"all-empty call (T=0, E=128, 2048->1536), {provider}: " + ", ".join(
-            f"{name} {v['eager']:.1f} us eager / {v['graph']:.1f} us GPU in a CUDA graph" for name, v in per_pass.items()))
+            f"{name} {v['eager']:.1f} us eager / {v['graph']:.1f} us GPU in a CUDA graph"
+            for name, v in per_pass.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results,

@@ -8,6 +8,13 @@ them), then runs those commands in parallel and reports per-file times. It needs
 CUTLASS headers (the nvidia-cutlass wheel or CUTLASS_PATH, as setup.py finds them); no GPU and no CUDA torch.
 
     python tools/check_cuda_compile.py [-j JOBS] [SOURCE ...]     # SOURCE: e.g. grouped_gemm_sm90.cu
+    python tools/check_cuda_compile.py --changed-since BASE       # CI's lane: only what a change can break
+
+With --changed-since, the files changed between the git revision BASE and the work tree pick the sources:
+nothing under csrc/cuda, setup.py or this tool changed: none (exit 0); a header that translation units of
+several kernel families include: all of them; otherwise one representative per kernel family that a changed
+file reaches (a family: the Hopper units of one pass and tile kind, or one portable unit), plus every changed
+unit itself. setup.py or this tool changed: one representative per family.
 
 Exits non-zero, printing the compiler's output, if any file fails to compile.
 """
@@ -104,6 +111,61 @@ def compile_commands(build_dir: str) -> dict[str, list[str]]:
     return commands
 
 
+# A Hopper unit's family: its pass and tile kind (rows, or a CUTLASS tile), whatever its dtype, layout and tile.
+_FAMILY = re.compile(r"grouped_gemm_sm90_(?:bf16|fp16)_(fwd|wgrad_accum|wgrad)_(?:kn_|nk_)?(rows|.*)\.cu$")
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+_BUILD_FILES = ("setup.py", "tools/check_cuda_compile.py")
+
+
+def family(source: str) -> str:
+    """The kernel family of a csrc/cuda translation unit (see the module docstring)."""
+    match = _FAMILY.search(os.path.basename(source))
+    if match is None:
+        return os.path.basename(source)
+    return f"sm90_{match.group(1)}_{'rows' if match.group(2) == 'rows' else 'tile'}"
+
+
+def _headers(path: str, seen: set[str]) -> set[str]:
+    """The csrc headers ``path`` includes, transitively (repository-relative paths)."""
+    with open(path) as f:
+        for name in _INCLUDE.findall(f.read()):
+            for folder in (os.path.dirname(path), "csrc"):
+                header = os.path.normpath(os.path.join(folder, name))
+                if os.path.isfile(header) and header not in seen:
+                    seen.add(header)
+                    _headers(header, seen)
+                    break
+    return seen
+
+
+def changed_sources(sources: list[str], changed: set[str]) -> list[str]:
+    """The translation units worth compiling when the repository-relative ``changed`` files changed."""
+    families: dict[str, list[str]] = {}
+    for source in sorted(sources):
+        families.setdefault(family(source), []).append(source)
+    if changed & set(_BUILD_FILES):
+        return sorted({units[0] for units in families.values()} | (changed & set(sources)))
+    picked = set(changed & set(sources))
+    for units in families.values():
+        reached = [unit for unit in units if _headers(unit, set()) & changed]
+        if reached:
+            picked.add(reached[0])
+    reached_families = {family(s) for s in sources if _headers(s, set()) & changed}
+    if len(reached_families) > 1:
+        return sorted(sources)  # a header shared by several families: everything
+    return sorted(picked)
+
+
+def git_changed_files(base: str) -> set[str]:
+    """Files that differ between the git revision ``base`` and the work tree, untracked ones included."""
+    def git(*args: str) -> list[str]:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        if out.returncode:
+            _fail(f"git {' '.join(args)}: {out.stderr.strip()}")
+        return out.stdout.split()
+    return set(git("diff", "--name-only", base)) | set(git("ls-files", "--others", "--exclude-standard"))
+
+
 def _compile(command: list[str]) -> tuple[int, str, float]:
     start = time.monotonic()
     result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -113,12 +175,23 @@ def _compile(command: list[str]) -> tuple[int, str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="*", help="check only these csrc/cuda files (path or file name)")
+    parser.add_argument("--changed-since", metavar="BASE",
+                        help="git revision: check only what the files changed since it can break")
     # sched_getaffinity, unlike cpu_count, honours a CPU set given to the container.
     default_jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     parser.add_argument("-j", "--jobs", type=int, default=default_jobs, help=f"parallel compiles ({default_jobs})")
     args = parser.parse_args()
 
     os.chdir(ROOT)  # setup.py's paths are relative to the repository root
+    if args.changed_since:
+        changed = git_changed_files(args.changed_since)
+        relevant = sorted(f for f in changed if f.startswith("csrc/cuda/") or f in _BUILD_FILES
+                          or (f.startswith("csrc/") and f.endswith(".h")))
+        if not relevant:
+            print(f"check_cuda_compile: no CUDA source, setup.py or this tool changed since {args.changed_since}; "
+                  "nothing to compile")
+            return 0
+        print(f"changed since {args.changed_since}: {' '.join(relevant)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="moe_core_cuda_check_") as build_dir:
         commands = compile_commands(build_dir)
         if args.sources:
@@ -127,6 +200,8 @@ def main() -> int:
             missing = wanted - {os.path.basename(s) for s in commands}
             if missing:
                 _fail(f"not CUDA sources of csrc/cuda: {' '.join(sorted(missing))}")
+        if args.changed_since:
+            commands = {s: commands[s] for s in changed_sources(list(commands), changed)}
         print(f"compiling {len(commands)} CUDA sources for sm_90a, {args.jobs} at a time", flush=True)
         start = time.monotonic()
         failed, warned, times = [], [], {}

@@ -117,7 +117,7 @@ class SequentialMLP(nn.Module):
         if sum(counts) != x.shape[0]:
             raise ValueError(f"tokens_per_expert: expected counts summing to R={x.shape[0]}, got {counts}")
         outputs = []
-        for expert, x_e, p_e in zip(self.local_experts, x.split(counts), permuted_probs.split(counts)):
+        for expert, x_e, p_e in zip(self.local_experts, x.split(counts), permuted_probs.split(counts), strict=True):
             h_e = _activation_with_probs(expert.linear_fc1(x_e), self.activation_func, p_e)
             out_e = nn.functional.linear(h_e, expert.linear_fc2.weight)
             if expert.linear_fc2.bias is not None:

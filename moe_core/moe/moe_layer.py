@@ -59,7 +59,8 @@ class MoELayer(nn.Module):
         hidden_NH = hidden.reshape(-1, hidden.shape[-1])
         # The router takes [B, S, H] as is: its sequence aux loss needs the sequence boundaries.
         probs, routing_map = self.router(hidden if hidden.dim() == 3 else hidden_NH)
-        permuted, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(hidden_NH, probs, routing_map)
+        permuted, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(
+            hidden_NH, probs, routing_map)
         expert_output, _ = self.experts(permuted, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.combine(expert_output, meta)
         if self.shared_experts is not None:

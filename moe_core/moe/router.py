@@ -96,7 +96,8 @@ class TopKRouter(nn.Module):
             scores); saved in the state dict when ``moe_router_enable_expert_bias``. Megatron applies it to
             sigmoid scores; with softmax it is added to what top-k ranks (the logits, or the pre-softmax probs).
         local_tokens_per_expert: ``[E]`` float32 buffer, rows routed per expert (after dropping) by the
-            forwards in training mode with gradients enabled since the last ``update_expert_bias()``. It counts this process's tokens only:
+            forwards in training mode with gradients enabled since the last ``update_expert_bias()``. It counts
+            this process's tokens only:
             under data parallelism all-reduce it (sum) over the data-parallel group before that call.
         aux_loss_scale: float, the gradient each loss receives in backward (times its coefficient), read
             by each forward; the trainer sets it before the forward to the factor its main loss carries
@@ -122,7 +123,7 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, mean=0.0, std=config.init_method_std)
         types = config.moe_router_load_balancing_type
         coeffs = config.moe_aux_loss_coeff
-        pairs = zip(types, coeffs) if isinstance(types, list) else [(types, coeffs)]
+        pairs = zip(types, coeffs, strict=True) if isinstance(types, list) else [(types, coeffs)]
         self.aux_loss_coeffs = {t: float(c) for t, c in pairs if t != "none" and c}
         zeros = torch.zeros(self.num_experts, dtype=torch.float32)
         self.register_buffer("expert_bias", zeros.clone(), persistent=config.moe_router_enable_expert_bias)

@@ -57,7 +57,8 @@ def check_grouped_gemm_args(x, weight, tokens_per_expert, trans_weight: bool) ->
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, K], got shape {tuple(x.shape)}")
     if weight.dim() != 3:
-        raise ValueError(f"weight: expected [E, K, N] (or [E, N, K] with trans_weight), got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight: expected [E, K, N] (or [E, N, K] with trans_weight), got shape {tuple(weight.shape)}")
     if tokens_per_expert.dim() != 1:
         raise ValueError(f"tokens_per_expert: expected [E], got shape {tuple(tokens_per_expert.shape)}")
     if tokens_per_expert.dtype not in _COUNT_DTYPES:
@@ -75,7 +76,8 @@ def check_grouped_gemm_args(x, weight, tokens_per_expert, trans_weight: bool) ->
             f"got {x.shape[1]}"
         )
     if tokens_per_expert.shape[0] != weight.shape[0]:
-        raise ValueError(f"tokens_per_expert: expected E = {weight.shape[0]} entries (weight's E), got {tokens_per_expert.shape[0]}")
+        raise ValueError(f"tokens_per_expert: expected E = {weight.shape[0]} entries (weight's E), "
+                         f"got {tokens_per_expert.shape[0]}")
     if tokens_per_expert.device.type == "cpu" and not _is_tracing():
         if bool((tokens_per_expert < 0).any()):
             raise ValueError(f"tokens_per_expert: expected non-negative counts, got {tokens_per_expert.tolist()}")

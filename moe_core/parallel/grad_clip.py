@@ -28,7 +28,7 @@ def _local_and_shards(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
     if not isinstance(grad, DTensor):
         return grad, 1
     shards = 1
-    for size, placement in zip(grad.device_mesh.shape, grad.placements):
+    for size, placement in zip(grad.device_mesh.shape, grad.placements, strict=True):
         if isinstance(placement, Shard):
             shards *= size
         elif not placement.is_replicate():

@@ -62,6 +62,8 @@ class TrainingConfig:
     """bf16 autocast on CUDA (ignored on CPU, where training runs in float32)."""
     use_torch_fsdp2: bool = False
     """Shard parameters with FSDP2 (fully_shard); data-parallel replication (DDP) otherwise."""
+    compile: bool = False
+    """torch.compile each transformer layer (torchtitan's per-block compile)."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "train_iters", "log_interval", "eval_iters"):

@@ -61,7 +61,7 @@ class MetricsWriter:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for points, label in ((self._train, "train"), (self._valid, "validation")):
             if points:
-                ax.plot(*zip(*points), label=label, marker="o" if label == "validation" else None)
+                ax.plot(*zip(*points, strict=True), label=label, marker="o" if label == "validation" else None)
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats)")
         ax.set_title(title)

@@ -1,14 +1,7 @@
 """The pretraining loop: data -> GPTModel -> token-mean loss -> AdamW, with evaluation, metrics and checkpoints.
 
-Loss accounting (Megatron's calculate_per_token_loss): each micro-batch contributes
-``sum(per-token loss) / tokens in the global batch``, so the accumulated gradient is the gradient of the
-global batch's mean loss whatever the micro-batch and rank layout.
-
-Under torchrun (``WORLD_SIZE`` > 1) every rank is a data-parallel rank (``moe_core.parallel``): it trains on
-its own rows of each global batch, experts are split over ``expert_model_parallel_size`` ranks, and the
-model is wrapped with FSDP2 (``use_torch_fsdp2``) or DDP, both summing gradients (dense over DP, experts
-over expert-DP). The model starts from the single-process initialisation (same seed, experts sliced), so a
-run's losses are comparable across layouts; rank 0 logs.
+The step itself (loss accounting, parallel wrapping, AdamW) is ``moe_core.training.step``; this module
+adds the data, evaluation, logging and checkpoints around it. Rank 0 logs.
 
 Resuming (``load``): batches are a function of ``(seed, step)`` and the checkpoint restores the model,
 AdamW, the LR schedule, the step and the RNG states, so N steps, save, load and N more give the losses of 2N
@@ -18,7 +11,6 @@ steps straight (``exit_interval`` stops the first half without shortening the sc
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass
 
@@ -28,16 +20,13 @@ from tqdm import tqdm
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
-from moe_core.parallel.ddp import apply_ddp
-from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
-from moe_core.parallel.grad_clip import clip_grad_norm_
 from moe_core.parallel.loss import reduce_loss_for_logging
-from moe_core.parallel.state import load_full_state_dict
+from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.training.checkpoint import load_checkpoint, save_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.data import build_token_streams, sample_batch, shard_rows
 from moe_core.training.metrics import MetricsWriter
-from moe_core.training.schedule import build_scheduler
+from moe_core.training.step import TrainingState, setup_training, train_step
 from moe_core.training.tokenizer import build_tokenizer
 
 # Dense bf16 tensor-core peaks (TFLOP/s, vendor datasheets) for MFU, by device-name substring, first match
@@ -56,54 +45,27 @@ class RunSummary:
     seconds: float
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and expert weights only (not on norms, biases or 1-D params)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-
-
 @torch.no_grad()
-def evaluate(model: GPTModel, tokens, cfg: TrainingConfig, seq_length: int, device: torch.device, autocast,
-             pg_collection=None) -> float:
+def evaluate(state: TrainingState, tokens: torch.Tensor, cfg: TrainingConfig, seq_length: int) -> float:
     """Mean per-token loss over ``eval_iters`` fixed validation batches of ``micro_batch_size * dp`` sequences.
 
     Each DP rank scores its rows of every batch; the sums meet in one all-reduce, so the value is the same
     as one process scoring whole batches.
     """
-    dp_size, dp_rank = _dp(pg_collection)
+    model, dp_size, dp_rank = state.model, state.dp_size, state.dp_rank
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=torch.float64, device=state.device)
     for i in range(cfg.eval_iters):
         inputs, labels = sample_batch(tokens, cfg.micro_batch_size * dp_size, seq_length,
                                       cfg.seed + _VALID_SEED_OFFSET, i)
         inputs, labels = shard_rows(inputs, dp_rank, dp_size), shard_rows(labels, dp_rank, dp_size)
-        with autocast():
-            total += model(inputs.to(device), labels.to(device)).double().sum()
+        with state.autocast():
+            total += model(inputs.to(state.device), labels.to(state.device)).double().sum()
     model.train(was_training)
-    total = reduce_loss_for_logging(total, None if pg_collection is None else pg_collection.dp)
+    group = None if state.pg_collection is None else state.pg_collection.dp
+    total = reduce_loss_for_logging(total, group)
     return total.item() / (cfg.eval_iters * cfg.micro_batch_size * dp_size * seq_length)
-
-
-def _dp(pg_collection) -> tuple[int, int]:
-    return (1, 0) if pg_collection is None else (pg_collection.dp_size, pg_collection.dp_rank)
-
-
-def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: torch.device, pg_collection=None
-                ) -> GPTModel:
-    """The GPTModel of the single-process run with seed ``cfg.seed``; under EP this rank's experts of it,
-    wrapped with FSDP2 or DDP."""
-    torch.manual_seed(cfg.seed)
-    if pg_collection is None:
-        return GPTModel(model_config).to(device)
-    full = GPTModel(dataclasses.replace(model_config, expert_model_parallel_size=1))
-    model = GPTModel(model_config, pg_collection)
-    load_full_state_dict(model, full.state_dict(), pg_collection)
-    del full
-    model.to(device)
-    return (apply_fsdp2 if cfg.use_torch_fsdp2 else apply_ddp)(model, pg_collection)
 
 
 def expert_load_stats(model: GPTModel) -> dict[str, float]:
@@ -136,7 +98,8 @@ def mfu(flops_per_token: float, tokens_per_second: float, device: torch.device) 
     return None if peak is None else flops_per_token * tokens_per_second / (peak * 1e12)
 
 
-def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg_collection=None) -> RunSummary:
+def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
+             pg_collection: ProcessGroupCollection | None = None) -> RunSummary:
     """Train a ``GPTModel`` on ``cfg``'s corpus and return the run's summary; see the module docstring.
 
     ``pg_collection``: the ranks' groups (``moe_core.parallel.launch.init_distributed``), None for one process.
@@ -145,24 +108,13 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
     is_logger = pg is None or dist.get_rank() == 0
     if not is_logger:
         log = _silent
-    if (1 if pg is None else pg.ep_size) != model_config.expert_model_parallel_size:
-        raise ValueError(
-            f"pg_collection: EP size {1 if pg is None else pg.ep_size} differs from the config's "
-            f"expert_model_parallel_size ({model_config.expert_model_parallel_size})"
-        )
-    dp_size, dp_rank = _dp(pg)
-    if pg is not None and dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = build_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(
             f"vocab_size: the tokenizer has {tokenizer.vocab_size} tokens, the model only {model_config.vocab_size}"
         )
     streams = build_token_streams(cfg.data_path, tokenizer)
-    model = build_model(model_config, cfg, device, pg)
-    dense_params, expert_params = split_expert_params(model)
+    state = setup_training(model_config, cfg, pg)
     if pg is not None:
         log(f"parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), EP {pg.ep_size}, expert-DP "
             f"{pg.expt_dp_size}, {'FSDP2' if cfg.use_torch_fsdp2 else 'DDP'}")
@@ -172,9 +124,9 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
     log(f"model: {whole.num_parameters() / 1e6:.2f}M parameters, "
         f"{whole.num_parameters(active=True) / 1e6:.2f}M active; "
         f"corpus: {len(streams['train']):,} train / {len(streams['valid']):,} valid {tokenizer.unit}s")
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters)
-    start_step = load_checkpoint(cfg.load, model, optimizer, scheduler, pg, seed=cfg.seed) if cfg.load else 0
+    start_step = 0
+    if cfg.load:
+        start_step = load_checkpoint(cfg.load, state.model, state.optimizer, state.scheduler, pg, seed=cfg.seed)
     if start_step > cfg.train_iters:
         raise ValueError(f"train_iters ({cfg.train_iters}) is below the step of the checkpoint in {cfg.load} "
                          f"({start_step})")
@@ -182,61 +134,36 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
     if cfg.exit_interval:
         end_step = min(end_step, (start_step // cfg.exit_interval + 1) * cfg.exit_interval)
 
-    def autocast():
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=cfg.bf16 and device.type == "cuda")
-
-    num_micro = cfg.num_micro_batches(dp_size=dp_size)
-    global_batch = cfg.micro_batch_size * num_micro * dp_size
     seq = model_config.seq_length
-    tokens_per_step = global_batch * seq
-    for layer in model.moe_layers():
-        # Gradients are summed over micro-batches and DP ranks: the aux loss averages over all of them.
-        layer.router.aux_loss_scale = 1.0 / (num_micro * dp_size)
+    global_batch = state.tokens_per_step // seq
     writer = (MetricsWriter(cfg.output_dir, cfg.tensorboard_dir, resume_step=start_step if cfg.load else None)
               if is_logger else _NoWriter())
     t_start = time.perf_counter()
-    start_valid = evaluate(model, streams["valid"], cfg, seq, device, autocast, pg)
+    start_valid = evaluate(state, streams["valid"], cfg, seq)
     writer.log(start_step, {"valid_loss": start_valid})
     log(f"step {start_step}: validation loss {start_valid:.4f}")
 
     train_losses = []
-    model.train()
+    state.model.train()
     t_log, steps_since_log = time.perf_counter(), 0
     bar = tqdm(range(start_step, end_step), desc="pretrain", unit="step", dynamic_ncols=True, mininterval=2.0,
                disable=not is_logger)
     for step in bar:
         inputs, labels = sample_batch(streams["train"], global_batch, seq, cfg.seed, step)
-        inputs, labels = shard_rows(inputs, dp_rank, dp_size), shard_rows(labels, dp_rank, dp_size)
-        step_loss = torch.zeros((), device=device)
-        for micro_inputs, micro_labels in zip(inputs.split(cfg.micro_batch_size), labels.split(cfg.micro_batch_size)):
-            with autocast():
-                per_token = model(micro_inputs.to(device), micro_labels.to(device))
-            loss = per_token.sum() / tokens_per_step  # tokens_per_step counts every rank's tokens
-            loss.backward()
-            step_loss += loss.detach()
+        inputs, labels = shard_rows(inputs, state.dp_rank, state.dp_size), shard_rows(labels, state.dp_rank,
+                                                                                       state.dp_size)
+        step_loss, grad_norm = train_step(state, inputs, labels)
         loss_value = reduce_loss_for_logging(step_loss, None if pg is None else pg.dp).item()
-        max_norm = cfg.clip_grad if cfg.clip_grad > 0 else math.inf
-        # One global norm over dense (DP mesh) and expert (expert-DP mesh) gradients, one all-reduce.
-        grad_norm = clip_grad_norm_(dense_params, expert_params, max_norm, pg).item()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        for layer in model.moe_layers():
-            if pg is not None:
-                # Expert-bias updates must see the global batch's loads so the bias stays equal on all ranks.
-                dist.all_reduce(layer.router.local_tokens_per_expert, group=pg.dp)
-            layer.router.update_expert_bias()
-            layer.router.reset_global_aux_loss_tracker()
         train_losses.append(loss_value)
         steps_since_log += 1
         done = step + 1
         if done % cfg.log_interval == 0 or done == end_step:
-            elapsed = time.perf_counter() - t_log
-            tokens_per_second = steps_since_log * tokens_per_step / elapsed
+            tokens_per_second = steps_since_log * state.tokens_per_step / (time.perf_counter() - t_log)
             # "lr": the rate the next step will use (what Megatron logs), min_lr after the last step.
-            metrics = {"loss": loss_value, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
-                       "tokens_per_second": tokens_per_second, **router_losses(model), **expert_load_stats(model)}
-            utilisation = mfu(whole.flops_per_token(), tokens_per_second / dp_size, device)
+            metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": state.scheduler.get_last_lr()[0],
+                       "tokens_per_second": tokens_per_second, **router_losses(state.model),
+                       **expert_load_stats(state.model)}
+            utilisation = mfu(whole.flops_per_token(), tokens_per_second / state.dp_size, state.device)
             if utilisation is not None:
                 metrics["mfu"] = utilisation
             writer.log(done, metrics)
@@ -244,15 +171,15 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print, pg
             t_log, steps_since_log = time.perf_counter(), 0
         t_pause = time.perf_counter()
         if cfg.eval_interval and done % cfg.eval_interval == 0 and done != end_step:
-            writer.log(done, {"valid_loss": evaluate(model, streams["valid"], cfg, seq, device, autocast, pg)})
+            writer.log(done, {"valid_loss": evaluate(state, streams["valid"], cfg, seq)})
         if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != end_step:
-            save_checkpoint(cfg.save, model, optimizer, scheduler, done, pg, seed=cfg.seed)
+            save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, done, pg, seed=cfg.seed)
         t_log += time.perf_counter() - t_pause  # tokens/s counts training time only
     bar.close()
-    end_valid = evaluate(model, streams["valid"], cfg, seq, device, autocast, pg)
+    end_valid = evaluate(state, streams["valid"], cfg, seq)
     writer.log(end_step, {"valid_loss": end_valid})
     if cfg.save:
-        save_checkpoint(cfg.save, model, optimizer, scheduler, end_step, pg, seed=cfg.seed)
+        save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, end_step, pg, seed=cfg.seed)
     png = writer.close(f"{model_config.num_layers} layers, hidden {model_config.hidden_size}")
     seconds = time.perf_counter() - t_start
     log(f"validation loss: start {start_valid:.3f}, end {end_valid:.3f} nats per {tokenizer.unit}")
@@ -275,5 +202,4 @@ class _NoWriter:
         return None
 
 
-__all__ = ["pretrain", "RunSummary", "build_model", "build_optimizer", "evaluate", "expert_load_stats",
-           "router_losses", "mfu"]
+__all__ = ["pretrain", "RunSummary", "evaluate", "expert_load_stats", "router_losses", "mfu"]

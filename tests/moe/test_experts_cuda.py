@@ -41,7 +41,7 @@ def test_grouped_matches_sequential_on_cuda(dtype, counts):
     # bf16: both sides accumulate in fp32 but round intermediates (fc1 output, activations) in different places,
     # so single elements may differ by an ulp or two; the norm-wise error must stay at bf16's resolution.
     max_rel = 1e-5 if dtype == torch.float32 else 1e-2
-    for ours, ref in zip(results[1], results[0]):
+    for ours, ref in zip(results[1], results[0], strict=True):
         assert rel_err(ours, ref) <= max_rel
     for e, expert in enumerate(sequential.local_experts):
         for seq_lin, grp_lin in ((expert.linear_fc1, grouped.fc1), (expert.linear_fc2, grouped.fc2)):

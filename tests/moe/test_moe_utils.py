@@ -95,7 +95,7 @@ def test_unpermute_round_trip_and_grads():
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (tokens, probs), grad)
     want = torch.autograd.grad(ref, (tokens, probs), grad)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-14)
 
 

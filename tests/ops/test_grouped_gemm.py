@@ -137,7 +137,7 @@ def test_compile_fullgraph_matches_eager(trans_weight):
 
     eager = run(lambda x, w: grouped_gemm(x, w, counts, trans_weight=trans_weight))
     compiled = run(torch.compile(lambda x, w: grouped_gemm(x, w, counts, trans_weight=trans_weight), fullgraph=True))
-    for a, b in zip(eager, compiled):
+    for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 

@@ -218,7 +218,7 @@ def test_compile_fullgraph_matches_eager(trans_weight):
 
     eager = run(fn)
     compiled = run(torch.compile(fn, fullgraph=True))
-    for a, b in zip(eager, compiled):
+    for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -271,7 +271,7 @@ def test_back_to_back_calls_match_synchronized_ones():
     def run(sync):
         leaves = [x.clone().requires_grad_(True)] + [w.clone().requires_grad_(True) for w in ws]
         y = leaves[0]
-        for w, c in zip(leaves[1:], counts):
+        for w, c in zip(leaves[1:], counts, strict=True):
             y = grouped_gemm(y, w, c)
             if sync:
                 torch.cuda.synchronize()
@@ -279,7 +279,7 @@ def test_back_to_back_calls_match_synchronized_ones():
         y.float().square().sum().backward()
         return [y.detach()] + [leaf.grad for leaf in leaves]
 
-    for a, b in zip(run(sync=True), run(sync=False)):
+    for a, b in zip(run(sync=True), run(sync=False), strict=True):
         assert torch.equal(a, b)
 
 

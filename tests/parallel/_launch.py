@@ -18,7 +18,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

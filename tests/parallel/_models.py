@@ -166,7 +166,7 @@ class ToyMoE(nn.Module):
             dropped = [
                 apply_token_dropping(p, m, get_capacity(m.shape[0] * self.topk, m.shape[1], self.capacity_factor),
                                      pad_to_capacity=self.pad)
-                for p, m in zip(probs.split(counts), routing_map.split(counts))
+                for p, m in zip(probs.split(counts), routing_map.split(counts), strict=True)
             ]
             probs = torch.cat([p for p, _ in dropped])
             routing_map = torch.cat([m for _, m in dropped])

@@ -14,9 +14,16 @@ import torch.distributed as dist
 from tests.parallel._common import all_reduce_sum, compare, groups
 from tests.parallel._launch import device, run_distributed
 from tests.parallel._models import (
-    CAPACITY, DISPATCHERS, GLOBAL_TOKENS, NUM_EXPERTS, SCENARIOS, ToyMoE, forced_routing, make_config, token_counts,
+    CAPACITY,
+    DISPATCHERS,
+    GLOBAL_TOKENS,
+    NUM_EXPERTS,
+    SCENARIOS,
+    ToyMoE,
+    forced_routing,
+    make_config,
+    token_counts,
 )
-
 
 
 def _layer_parity(scenario: str, dispatchers: list[str], ep: int, capacity: str | None = None) -> dict:

@@ -13,7 +13,14 @@ from moe_core.parallel.loss import global_token_count, token_mean_loss
 from tests.parallel._common import compare, groups
 from tests.parallel._launch import device, run_distributed
 from tests.parallel._models import (
-    SCENARIOS, ToyModel, forced_routing, load_ep_slice, make_config, per_token_loss, reference_state, token_counts,
+    SCENARIOS,
+    ToyModel,
+    forced_routing,
+    load_ep_slice,
+    make_config,
+    per_token_loss,
+    reference_state,
+    token_counts,
 )
 from tests.parallel.test_training import WRAPPERS
 

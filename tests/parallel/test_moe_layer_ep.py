@@ -12,8 +12,16 @@ from moe_core.config import TransformerConfig
 from moe_core.moe.moe_layer import MoELayer
 from tests.parallel._common import all_reduce_sum, compare, groups
 from tests.parallel._launch import device, run_distributed
-from tests.parallel._models import CAPACITY, GLOBAL_TOKENS, NUM_EXPERTS, SCENARIOS, forced_probs, forced_routing, is_expert_name, token_counts
-
+from tests.parallel._models import (
+    CAPACITY,
+    GLOBAL_TOKENS,
+    NUM_EXPERTS,
+    SCENARIOS,
+    forced_probs,
+    forced_routing,
+    is_expert_name,
+    token_counts,
+)
 
 
 def layer_config(topk: int, dispatcher: str, ep: int = 1, **kw) -> TransformerConfig:
@@ -56,7 +64,7 @@ def _layer(scenario: str, dispatcher: str, capacity: str | None) -> dict:
     pieces = counts if capacity is not None else [GLOBAL_TOKENS]
     x_ref = x_all.clone().requires_grad_()
     outs = []
-    for chunk, rm in zip(x_ref.split(pieces), routing.split(pieces)):
+    for chunk, rm in zip(x_ref.split(pieces), routing.split(pieces), strict=True):
         force_routing(ref, rm)
         outs.append(ref(chunk.unsqueeze(0)).squeeze(0))
     out_ref = torch.cat(outs)

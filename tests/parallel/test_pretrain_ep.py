@@ -15,7 +15,8 @@ from moe_core.parallel.state import gather_full_state_dict
 from moe_core.training.checkpoint import load_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.schedule import build_scheduler
-from moe_core.training.trainer import build_optimizer, pretrain
+from moe_core.training.step import build_optimizer
+from moe_core.training.trainer import pretrain
 from tests.parallel._common import groups
 from tests.parallel._launch import BACKEND, run_distributed
 
@@ -79,4 +80,4 @@ def test_ep2_fsdp2_checkpoint_loads_in_one_process(tmp_path):
     for name, value in want.items():
         # On GPUs the runs use bf16 autocast and reduce in other orders: a looser absolute floor.
         atol = 1e-6 if BACKEND == "gloo" else 1e-5
-        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=atol, msg=lambda m, name=name: f"{name}: {m}")

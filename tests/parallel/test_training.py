@@ -24,8 +24,16 @@ from moe_core.parallel.loss import global_token_count, reduce_loss_for_logging, 
 from tests.parallel._common import compare, groups
 from tests.parallel._launch import DeadlineExceeded, RankFailure, device, run_distributed
 from tests.parallel._models import (
-    SCENARIOS, ToyModel, forced_routing, is_expert_name, load_ep_slice, make_config, naive_state, per_token_loss,
-    reference_state, token_counts,
+    SCENARIOS,
+    ToyModel,
+    forced_routing,
+    is_expert_name,
+    load_ep_slice,
+    make_config,
+    naive_state,
+    per_token_loss,
+    reference_state,
+    token_counts,
 )
 
 GLOBAL_TOKENS = 24

@@ -12,7 +12,7 @@ import bench_grouped_gemm as bench  # noqa: E402
 def _predecessors(plan, configs):
     """(config, config timed just before it) for every timing of the plan but the first."""
     sequence = [configs[i] for _, i in plan]
-    return list(zip(sequence[1:], sequence[:-1]))
+    return list(zip(sequence[1:], sequence[:-1], strict=True))
 
 
 @pytest.mark.parametrize("extra", [[], [("moe_core", {"MOE_CORE_GEMM_TILE": "rows"})], [(bench.BATCHED, None)]])

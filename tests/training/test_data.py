@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from moe_core.training import data
-from moe_core.training.data import (build_token_streams, is_validation, read_documents, sample_batch, shard_rows,
-                                    stdlib_sources)
+from moe_core.training.data import (
+    build_token_streams,
+    is_validation,
+    read_documents,
+    sample_batch,
+    shard_rows,
+    stdlib_sources,
+)
 from moe_core.training.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 

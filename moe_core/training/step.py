@@ -1,0 +1,176 @@
+"""One training step and what it needs: the model, AdamW, the LR schedule and the step's batch arithmetic.
+
+Loss accounting (Megatron's calculate_per_token_loss): each micro-batch contributes
+``sum(per-token loss) / tokens in the global batch``, so the accumulated gradient is the gradient of the
+global batch's mean loss whatever the micro-batch and rank layout.
+
+Under torchrun every rank is a data-parallel rank (``moe_core.parallel``): experts are split over
+``expert_model_parallel_size`` ranks and the model is wrapped with FSDP2 (``use_torch_fsdp2``) or DDP, both
+summing gradients (dense over DP, experts over expert-DP). The model starts from the single-process
+initialisation (same seed, experts sliced), so a run's losses are comparable across layouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_core.config import TransformerConfig
+from moe_core.models.gpt import GPTModel
+from moe_core.parallel.ddp import apply_ddp
+from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
+from moe_core.parallel.grad_clip import clip_grad_norm_
+from moe_core.parallel.process_groups import ProcessGroupCollection
+from moe_core.parallel.state import load_full_state_dict
+from moe_core.training.config import TrainingConfig
+from moe_core.training.schedule import build_scheduler
+
+
+@dataclass
+class TrainingState:
+    """Everything ``train_step`` touches; built by ``setup_training``.
+
+    Attributes:
+        model: the (wrapped) ``GPTModel``; optimizer / scheduler: AdamW and its LR schedule.
+        dense_params / expert_params: the model's parameters by the mesh their gradients reduce over.
+        device: where the model lives. pg_collection: the ranks' groups, None for one process.
+        micro_batch_size: sequences per forward. num_micro_batches: forwards per step on this rank.
+        tokens_per_step: tokens of the global batch (every rank's), the loss's denominator.
+        max_norm: gradient clipping threshold (inf: no clipping).
+        bf16: bf16 autocast on CUDA.
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    dense_params: list[torch.nn.Parameter]
+    expert_params: list[torch.nn.Parameter]
+    device: torch.device
+    pg_collection: ProcessGroupCollection | None
+    micro_batch_size: int
+    num_micro_batches: int
+    tokens_per_step: int
+    max_norm: float
+    bf16: bool
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast on CUDA when ``bf16``, else a no-op context."""
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16 and self.device.type == "cuda")
+
+    @property
+    def dp_size(self) -> int:
+        return 1 if self.pg_collection is None else self.pg_collection.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return 0 if self.pg_collection is None else self.pg_collection.dp_rank
+
+
+def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: torch.device,
+                pg_collection: ProcessGroupCollection | None = None) -> GPTModel:
+    """The GPTModel of the single-process run with seed ``cfg.seed``; under EP this rank's experts of it,
+    wrapped with FSDP2 or DDP."""
+    torch.manual_seed(cfg.seed)
+    if pg_collection is None:
+        return GPTModel(model_config).to(device)
+    full = GPTModel(dataclasses.replace(model_config, expert_model_parallel_size=1))
+    model = GPTModel(model_config, pg_collection)
+    load_full_state_dict(model, full.state_dict(), pg_collection)
+    del full
+    model.to(device)
+    return (apply_fsdp2 if cfg.use_torch_fsdp2 else apply_ddp)(model, pg_collection)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and expert weights only (not on norms, biases or 1-D params).
+
+    Fused (one kernel over all parameters, the role of apex's and TE's FusedAdam in Megatron) when the
+    parameters live on CUDA; torch's foreach implementation elsewhere.
+    """
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                             fused=on_cuda or None)
+
+
+def training_device(pg_collection: ProcessGroupCollection | None) -> torch.device:
+    """This rank's GPU under NCCL, else CUDA when available, else the CPU."""
+    if pg_collection is not None and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
+                   pg_collection: ProcessGroupCollection | None = None) -> TrainingState:
+    """Build the model (``build_model``), AdamW and the LR schedule, and set each router's aux-loss scale.
+
+    Raises:
+        ValueError: the process groups' EP size differs from ``model_config.expert_model_parallel_size``.
+    """
+    ep_size = 1 if pg_collection is None else pg_collection.ep_size
+    if ep_size != model_config.expert_model_parallel_size:
+        raise ValueError(f"pg_collection: EP size {ep_size} differs from the config's expert_model_parallel_size "
+                         f"({model_config.expert_model_parallel_size})")
+    device = training_device(pg_collection)
+    model = build_model(model_config, cfg, device, pg_collection)
+    if cfg.compile:
+        for layer in model.decoder.layers:
+            layer.compile()
+    dense_params, expert_params = split_expert_params(model)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters)
+    dp_size = 1 if pg_collection is None else pg_collection.dp_size
+    num_micro = cfg.num_micro_batches(dp_size=dp_size)
+    for layer in model.moe_layers():
+        # Gradients are summed over micro-batches and DP ranks: the aux loss averages over all of them.
+        layer.router.aux_loss_scale = 1.0 / (num_micro * dp_size)
+    return TrainingState(
+        model=model, optimizer=optimizer, scheduler=scheduler, dense_params=dense_params,
+        expert_params=expert_params, device=device, pg_collection=pg_collection,
+        micro_batch_size=cfg.micro_batch_size, num_micro_batches=num_micro,
+        tokens_per_step=cfg.micro_batch_size * num_micro * dp_size * model_config.seq_length,
+        max_norm=cfg.clip_grad if cfg.clip_grad > 0 else math.inf, bf16=cfg.bf16,
+    )
+
+
+def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward over this rank's micro-batches, clip, AdamW step, LR step, router updates.
+
+    Args:
+        inputs / labels: ``[num_micro_batches * micro_batch_size, S]`` int64, this rank's rows of the
+            global batch (on any device).
+    Returns:
+        ``(loss, grad_norm)``, 0-dim tensors on ``state.device`` without a host sync: this rank's share of
+        the global batch's mean loss (sum over ranks for the loss) and the global gradient norm before clipping.
+    """
+    model, pg = state.model, state.pg_collection
+    step_loss = torch.zeros((), device=state.device)
+    micro_batches = zip(inputs.split(state.micro_batch_size), labels.split(state.micro_batch_size), strict=True)
+    for micro_inputs, micro_labels in micro_batches:
+        with state.autocast():
+            per_token = model(micro_inputs.to(state.device), micro_labels.to(state.device))
+        loss = per_token.sum() / state.tokens_per_step  # tokens_per_step counts every rank's tokens
+        loss.backward()
+        step_loss += loss.detach()
+    # One global norm over dense (DP mesh) and expert (expert-DP mesh) gradients, one all-reduce.
+    grad_norm = clip_grad_norm_(state.dense_params, state.expert_params, state.max_norm, pg)
+    state.optimizer.step()
+    state.scheduler.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    for layer in model.moe_layers():
+        if pg is not None:
+            # Expert-bias updates must see the global batch's loads so the bias stays equal on all ranks.
+            dist.all_reduce(layer.router.local_tokens_per_expert, group=pg.dp)
+        layer.router.update_expert_bias()
+        layer.router.reset_global_aux_loss_tracker()
+    return step_loss, grad_norm
+
+
+__all__ = ["TrainingState", "build_model", "build_optimizer", "setup_training", "train_step", "training_device"]
