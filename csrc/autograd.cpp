@@ -1,6 +1,6 @@
 // Autograd of moe_core::grouped_gemm, registered at the Autograd dispatch key in C++ (the pattern of
-// torchvision's ops) rather than from Python: a Python autograd kernel costs about 10 us of host time per call,
-// which is most of an all-empty call's budget. dgrad is the forward op with the weight transposed, wgrad
+// torchvision's ops) rather than from Python: a Python autograd kernel adds host time to every call, which
+// an all-empty call cannot afford (docs/kernels.md). dgrad is the forward op with the weight transposed, wgrad
 // grouped_gemm_wgrad (exact zeros for empty experts, never undefined); both go through the dispatcher, so the
 // backward also traces under torch.compile (fake kernels in moe_core/ops/grouped_gemm.py).
 #include <torch/autograd.h>

@@ -115,14 +115,11 @@ def timing_plan(configs: list, rounds: int, passes: tuple) -> list[tuple[str, in
     """(pass, index into configs [(provider, env)]) in the order they are timed.
 
     The GPU's clock follows its recent load: after the per-expert loop, which leaves the GPU idle between its
-    small launches, the next provider runs on a cooler, faster-clocked chip (on one H100 a plan that put
-    torch._grouped_mm after the loop in half the rounds and moe_core never gave moe_core 1.03x fwd+bwd geomean
-    where a fair plan gave 1.05x, back to back on one build). So the loop's rounds come first, and the compared
-    providers (dense, moe_core, torch._grouped_mm, forced schedules) then take their rounds, each round timing
-    every pass for each in turn, the order rotated by one every two rounds and reversed every other round: with
-    three of them the six rounds take all six orders, so each takes each place in a round twice. (Until v12
-    dense ran right after the loop in every round: 763 TFLOP/s on the Qwen3 fc1 E128 forward where this plan
-    measured 669, same build and machine.)
+    small launches, the next provider runs on a cooler, faster-clocked chip, a bias large enough to move the
+    ratios this benchmark reports. So the loop's rounds come first, and the compared providers (dense, moe_core,
+    torch._grouped_mm, forced schedules) then take their rounds, each round timing every pass for each in turn,
+    the order rotated by one every two rounds and reversed every other round: with three of them the six rounds
+    take all six orders, so each takes each place in a round twice.
     """
     loop = [i for i, (provider, _) in enumerate(configs) if provider == "loop"]
     # Dense first: it takes the one timing right after the loop's (round 0's first).

@@ -4,7 +4,7 @@
 // and all-empty included) and capturable in a CUDA graph.
 //
 // Two back ends: on Hopper, bf16/fp16 with 16-byte aligned operands and widths take CUTLASS's sm_90a
-// pointer-array kernels (grouped_gemm_sm90.h); everything else (other GPUs, fp32/fp64, odd widths) takes the
+// kernels (grouped_gemm_sm90.h); everything else (other GPUs, fp32/fp64, odd widths) takes the
 // portable kernels of grouped_gemm_kernels.h. MOE_CORE_GEMM_DEBUG=1 prints the choice per call;
 // MOE_CORE_GEMM_PORTABLE=1 forces the portable kernels (for tests and comparisons).
 #include <c10/cuda/CUDAException.h>

@@ -111,39 +111,35 @@ Schedule pick_schedule(const Problem& p, int sm_count) {
   const bool candidates = candidates_built(p.dtype, p.op);
   const bool forward = p.op == Op::kForwardKN || p.op == Op::kForwardNK;
   // The 2x1 cluster multicasts the 256-wide B tile to two row tiles (64 KiB of L2 reads per pair and k-step
-  // against 80 KiB for 1x2), but pads every expert to an even count of row tiles: worth it from about four
-  // row tiles per expert (T / E >= 512; H100 sweep, docs/kernel_notes.md). The 1x2 cluster pairs column
-  // tiles instead, so an odd count of 256-wide column tiles idles some pairs (N = 768 dgrad: 458 TFLOP/s wide,
-  // 556 narrow); below two waves of wide tiles the narrow tile balances the SMs better.
+  // against 80 KiB for 1x2), but pads every expert to an even count of row tiles: take it only from about four
+  // row tiles per expert (T / E >= 512). The 1x2 cluster pairs column tiles instead, so an odd count of 256-wide
+  // column tiles idles some pairs: take the narrow tile then, and below two waves of wide tiles, where it
+  // balances the SMs better.
   const bool even_pairs = ceil_div(p.n, 256) % 2 == 0;
   const bool many_tiles = tiles(p, 128, 256) >= 2 * sm_count;
   Schedule s;
   s.tile = even_pairs && many_tiles ? Tile::k128x256 : Tile::k128x128;
-  // Wgrad rows are weight rows (m = K or N of the weight), whole 256-row pairs in every model shape; the 2x1
-  // cluster led 128x256 by about 1% (geomean over the benchmark's shapes, H100 sweep of 2026-11-22).
+  // Wgrad rows are weight rows (m = K or N of the weight), whole 256-row pairs in every model shape, so the 2x1
+  // cluster pads nothing there.
   const bool wide_groups = forward ? p.m >= 512 * p.num_experts : ceil_div(p.m, 128) % 2 == 0;
   if (candidates && many_tiles && wide_groups) s.tile = Tile::k128x256_2x1;
   // Walking along M keeps a B tile (a weight slice) hot while the group's rows stream past it, but re-reads
   // the group's A rows for every column of tiles: right while A_e (T/E rows of K) is smaller than B_e (K x N),
   // as in every benchmark shape. Past that (few experts, many rows each: T/E > N) A_e outgrows L2 and the
   // walk along N, which keeps a row block hot instead, reads each operand about once. The wgrad's operands
-  // share the reduction (the expert's rows), so A_e (m of them) outweighs B_e (n) when m > n: on Mixtral fc2's
-  // E8 wgrad (m 14336, n 4096; x and dy are 0.30 GB) this kernel read 1.74-1.91 GB from DRAM along M and 0.37
-  // along N, 1.42 against 1.35 ms; on Mixtral fc1's (m 4096, n 28672) 0.8 GB along M and 4.8-5.3 along N, 2.71
-  // against 2.95 ms (Nsight Compute, H100; docs/kernel_notes.md, v15). The row-range wgrad walks its own way
-  // (it runs where an expert's operands fit in L2).
+  // share the reduction (the expert's rows), so A_e (m of them) outweighs B_e (n) when m > n: walk along N then,
+  // or the larger operand comes from DRAM again for every column of tiles (docs/kernels.md). The row-range wgrad
+  // walks its own way (it runs where an expert's operands fit in L2).
   s.along_n = forward ? p.m > p.n * p.num_experts : p.m > p.n;
-  // bf16/fp16 forward and dgrad: the row-tile kernel, static TMA descriptors instead of per-group ones, led the
-  // pointer-array pick by 2-5% in geomean over the benchmark's shapes in three H100 runs (docs/kernel_notes.md).
-  // It needs rows (T > 0, T < 2^31: CUTLASS's int problem shape) and expert and column-tile indices that fit
-  // its work-tile fields (15 bits each, beside the half-tile flag).
+  // bf16/fp16 forward and dgrad: the row-tile kernel (static TMA descriptors instead of per-group ones) wherever
+  // it can run. It needs rows (T > 0, T < 2^31: CUTLASS's int problem shape) and expert and column-tile indices
+  // that fit its work-tile fields (15 bits each, beside the half-tile flag).
   // bf16/fp16 wgrad: the row-range kernel, the same idea with each expert's rows as the reduction (T > 0: its
   // descriptors cover x's rows; T = 0 keeps the pointer-array kernel, whose prepare kernel streams the zeros).
   // It walks each column of an expert's tiles down the rows of d[e], so the expert's rows of x (m wide) come
-  // from L2 for every column after the first while they fit there: it pays up to 32 MiB of them for the mean
-  // expert. H100, same-process A/Bs: 3-8% ahead of the pointer-array kernel on the Qwen3 and OLMoE shapes
-  // (2026-11-23), and since v9-v17 1.5-2.0% ahead on Mixtral's and DeepSeek-V3's E8 shapes too (8-29 MiB of x
-  // rows an expert, 2026-11-25), where it had trailed by 1-3%.
+  // from L2 for every column after the first only while they fit there: take it while the mean expert's rows
+  // of x are at most 32 MiB (a bound by that reasoning, not a measured crossover); past it the pointer-array
+  // kernel, whose walk can run along N, keeps the case.
   const bool rows_fit = forward ? p.m > 0 && p.m < (int64_t{1} << 31) && p.num_experts < 32768 &&
                                       ceil_div(p.n, 256) < 32768
                                 : p.num_rows > 0 && p.num_rows < (int64_t{1} << 31);

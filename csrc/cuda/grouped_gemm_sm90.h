@@ -1,9 +1,11 @@
-// Hopper (sm_90a) grouped GEMM on CUTLASS 3.x's pointer-array kernels (grouped_gemm_sm90.cuh), behind a
-// CUTLASS-free interface for the op layer (grouped_gemm_cuda.cpp).
+// Hopper (sm_90a) grouped GEMM on CUTLASS 3.x kernels, behind a CUTLASS-free interface for the op layer
+// (grouped_gemm_cuda.cpp): the pointer-array kernels (grouped_gemm_sm90.cuh), the row-tile forward
+// (grouped_gemm_sm90_rows.cuh) and the row-range wgrad (grouped_gemm_sm90_wgrad_rows.cuh).
 //
-// Sync-free, two launches per op: one small prepare kernel turns the device-side counts into CUTLASS's
-// per-group problem shapes, pointers and strides (and zero-fills what no GEMM tile writes), then the
-// persistent CUTLASS kernel reads them; the host passes only E, shapes and pointers, never the counts.
+// Sync-free, two launches per op: one small kernel turns the device-side counts into what the GEMM reads
+// (CUTLASS's per-group problem shapes, pointers and strides, or row offsets and a work list) and zero-fills what
+// no GEMM tile writes, then the persistent CUTLASS kernel reads them; the host passes only E, shapes and
+// pointers, never the counts.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -23,7 +25,8 @@ enum class Op {
 };
 
 // CTA tile, schedule and cluster of the persistent kernel (see pick_schedule in grouped_gemm_sm90.cu). The first
-// two are built for every dtype and op, the others for bf16 forward and wgrad only (tuning candidates).
+// two are built for every dtype and op, the next three for bf16 forward and wgrad only (tuning candidates), the
+// last for bf16 and fp16 forward and wgrad.
 enum class Tile {
   k128x256,            // 128x256x64, 2 consumer warpgroups on one tile (cooperative), cluster 1x2: the A tile
                        // (an expert's rows) is multicast to two column tiles

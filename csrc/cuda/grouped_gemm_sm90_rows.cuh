@@ -1,19 +1,16 @@
 // The row-tile forward on sm_90a: y_e = x_e w_e for all experts with static TMA descriptors.
 //
 // CUTLASS's pointer-array kernels (grouped_gemm_sm90.cuh) keep per-group TMA descriptors in global memory and
-// rewrite them on the device; on one H100 the same 128x256x64 tile on the same 65536 x 2048 -> 1536 product ran
-// 560-670 TFLOP/s that way and 726-748 as CUTLASS's plain (non-array) kernel, and as a 128-batch of 512-row
-// products 670-706 (docs/kernel_notes.md). This path therefore runs the plain kernel as a batched product over
+// rewrite them on the device, which runs slower than CUTLASS's plain (non-array) kernel on the same tile and
+// product (docs/kernels.md). This path therefore runs the plain kernel as a batched product over
 // L = E experts in which every expert sees all of x and y (batch stride 0) and w_e is batch e: each TMA
 // descriptor is built once on the host. A work tile is (first row r, column tile j, expert e), one per 128 of
 // e's rows from e's first row on (TMA coordinates are element indices, so r need not be tile-aligned), listed
 // by a prepare kernel from the device-side counts; the epilogue stores only the tile's rows that belong to e.
 // Expert-aligned tiles pad each expert to whole tiles, as the pointer-array kernel does; tiles aligned to x's
-// rows computed a tile split between experts once per expert (Dirichlet(0.3) counts over 128 experts: 1.45x
-// the rows against 1.29x). An expert's last row tile with at most 64 of its rows (a quarter of the row tiles on
-// those counts) runs as a 64-row half tile: the two consumer warpgroups split the columns instead of the rows, so
-// it issues half the wgmmas (docs/kernel_notes.md, v18). No host sync; the grid is the SM count whatever the
-// counts.
+// rows would compute a tile split between experts once per expert. An expert's last row tile with at most 64 of
+// its rows runs as a 64-row half tile: the two consumer warpgroups split the columns instead of the rows, so it
+// issues half the wgmmas. No host sync; the grid is the SM count whatever the counts.
 #pragma once
 
 #include "grouped_gemm_sm90.cuh"
@@ -62,13 +59,11 @@ struct RowTileArrays {
 // The listing kernel: B list blocks, then kFillBlocks blocks that zero the rows past the counts' sum (bad counts
 // only), as the pointer-array forward does. The GEMM waits for all of it (PDL), so its latency, not its work, is
 // what counts: every list block scans all the counts itself (no block waits for another), then its warps list
-// the tiles of experts b W + w, b W + w + B W, ... (W warps a block), lanes across one expert's tiles. Nsight
-// Compute on an H100: 4.7-5.5 us (7.0 at 1024 experts, 7.7 for 7168 tiles of 8 experts), where one 1024-thread
-// block that listed every tile took 6.1-11.3 us (17-20 at 1024 experts; docs/kernel_notes.md, v15).
+// the tiles of experts b W + w, b W + w + B W, ... (W warps a block), lanes across one expert's tiles.
 // Per expert e with rows [r0, r1): row tiles from r0, r0 + bm, ... below r1 times every column tile, walked down
 // the rows (a weight slice stays hot while the rows stream past) unless the expert's rows outweigh its weight
-// (r1 - r0 > n), then across the columns (a row block stays hot). (A 2x1 cluster sharing weight tiles measured
-// 1-3% slower overall, with each expert's row tiles padded to pairs and without: docs/kernel_notes.md, v5, v10.)
+// (r1 - r0 > n), then across the columns (a row block stays hot). (A 2x1 cluster sharing weight tiles is slower,
+// with each expert's row tiles padded to pairs and without: docs/kernels.md.)
 constexpr int kListTileThreads = 256, kListTileWarps = kListTileThreads / 32, kFillBlocks = 16;
 // B = min(ceil(E / W), kMaxListBlocks): a warp then lists at most kExpertsPerWarp experts for E < 32768.
 constexpr int kMaxListBlocks = 128, kExpertsPerWarp = 32;

@@ -1,20 +1,17 @@
 // The row-range wgrad on sm_90a: d[e] = a_e^T b_e over each expert's rows, with static TMA descriptors.
 //
 // The pointer-array wgrad (grouped_gemm_sm90.cuh) rewrites a group's TMA descriptors on the device whenever a
-// CTA moves to another expert, which with 128 experts is nearly every tile. On one H100 (2026-11-22) cuBLAS's
-// strided-batched product, which needs equal counts, ran the Qwen3-30B fc1 wgrad (128 experts of 512 rows) at
-// 656 TFLOP/s where torch._grouped_mm ran 542. This path keeps the descriptors static for any counts: CUTLASS's
-// plain kernel runs a batch over L = E experts whose A and B descriptors cover all T rows (batch stride 0); a
-// work tile (row tile of d, column tile, expert e) reads its k-tiles from e's first row on (TMA coordinates are
-// element indices, so the start need not be tile-aligned), and the consumer warpgroups zero the rows of the
-// last k-tile that lie past e's rows (the next expert's) in shared memory before their MMAs. An expert with no
-// rows runs one k-tile read past T (TMA fills zeros) and its tiles store zeros; every d[e] is written by the GEMM.
+// CTA moves to another expert, which with 128 experts is nearly every tile. This path keeps the descriptors
+// static for any counts: CUTLASS's plain kernel runs a batch over L = E experts whose A and B descriptors cover
+// all T rows (batch stride 0); a work tile (row tile of d, column tile, expert e) reads its k-tiles from e's
+// first row on (TMA coordinates are element indices, so the start need not be tile-aligned), and the consumer
+// warpgroups zero the rows of the last k-tile that lie past e's rows (the next expert's) in shared memory before
+// their MMAs. An expert with no rows runs one k-tile read past T (TMA fills zeros) and its tiles store zeros;
+// every d[e] is written by the GEMM.
 // No host sync: the counts become row offsets and the experts' order by rows (the costliest walked first) in one
-// small kernel, and the work units (expert, cluster of tiles) follow from the shapes.
-// Measured (H100, A/Bs against the pointer-array pick): 3-8% faster where an expert's d[e] has under two waves of
-// tiles; with hundreds of tiles per expert 1-3% slower at first, 1.5-6% faster since v9-v17 (pick_schedule keeps
-// the pointer-array kernel only where an expert's rows of x outgrow L2); cuBLAS's batched kernel ran the
-// equal-count case 12% faster before v9's scheduler fix, about 6% after (docs/kernel_notes.md, v9, v19).
+// small kernel, and the work units (expert, cluster of tiles) follow from the shapes. pick_schedule keeps the
+// pointer-array kernel only where an expert's rows of x outgrow L2; docs/kernels.md has the measurements against
+// it and against cuBLAS's batched kernel.
 #pragma once
 
 #include "grouped_gemm_sm90_rows.cuh"
@@ -51,8 +48,7 @@ struct RowBounds {
 // rows, most first, so the clusters running at once share an expert's rows in L2, and the CTAs of a cluster
 // share the expert (its row range) and their multicast operand tiles. A unit costs about its expert's k-tiles
 // plus a fixed epilogue; walked in rounds (AheadWalk) from the costliest down, every cluster ends near the same
-// time however skewed the counts (an H100 model of Dirichlet(0.3) counts, 128 experts: slowest cluster over
-// mean 1.26 in expert order, 1.01 sorted; docs/kernel_notes.md, v11).
+// time however skewed the counts (docs/kernels.md).
 
 template <class ClusterShape>
 class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowBounds> {
@@ -76,8 +72,7 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
     const int32_t* order = nullptr;
     // Clusters down d[e]'s rows of tiles, and those times the clusters across its columns, as multiply-shift
     // divisors: a work unit's coordinates come from u at every tile, on the consumers' path between the
-    // epilogue and the next MMAs, where plain 64-bit divisions stalled the tensor cores (H100 Nsight Compute
-    // warp samples: 7% of them in the Qwen3-30B fc1 wgrad).
+    // epilogue and the next MMAs, where plain 64-bit divisions stall the tensor cores.
     cutlass::FastDivmodU64 units_m, units_mn;
     uint64_t total = 0;
   };
@@ -100,9 +95,8 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   CUTLASS_HOST_DEVICE static RowRange get_work_k_tile_count(WorkTileInfo const& work, ProblemShape shape,
                                                            TileShape) {
     constexpr int kBlockK = cute::size<2>(TileShape{});
-    // An expert without rows still runs one k-tile, so that its zeros come from the MMAs: from row T on, where
-    // TMA fills zeros and nothing needs masking (reading and masking the next expert's rows instead ran the skewed
-    // wgrads 0.2-3.6% slower, H100 A/B, v22 in docs/kernel_notes.md).
+    // An expert without rows still runs one k-tile, so that its zeros come from the MMAs. It must start at row T,
+    // where TMA fills zeros: mma does not mask it (valid == 0), so any other start would sum real rows into d[e].
     if (work.rows == 0) return {static_cast<int32_t>(cute::get<2>(shape)), 0, 1};
     return {work.row_start, work.rows, work.rows / kBlockK + (work.rows % kBlockK != 0)};
   }
@@ -235,10 +229,8 @@ struct RowRangeMainloop : Built {
     Tensor tCrB = thread_mma.make_fragment_B(thread_mma.partition_B(sB));  // (MMA, MMA_N, MMA_K, PIPE)
     // The first MMA runs with scale-d off and never reads the accumulators, so they get a definition that costs no
     // instruction. Left undefined, they reach warpgroup_fence_operand (an asm that reads them) as undef, which NVVM
-    // materialized as zeros: 64 CS2R a thread at every tile start, where cuBLAS's kernel has none; and an empty
-    // expert's branch that cleared them was hoisted above the branch to the same effect (opaque zeros there made
-    // ptxas serialize every wgmma, C7515). Without them the wgrad ran 1.0075x in geomean, 0.99-1.03x a shape (H100
-    // A/B, v22 in docs/kernel_notes.md).
+    // materializes as zeros: 64 CS2R a thread at every tile start. Do not clear them in a branch either: NVVM
+    // hoists the zeros above it to the same effect, and opaque zeros there make ptxas serialize every wgmma (C7515).
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); ++i) asm volatile("" : "=f"(accum(i)));
     PipelineState release = read;
@@ -247,8 +239,7 @@ struct RowRangeMainloop : Built {
     // One k-tile's MMAs. A partial k-tile (the expert's last) is masked and skips the wgmmas whose k-rows all lie
     // past the expert, save the first, which sets the accumulators; an empty expert's only k-tile (TMA's zeros)
     // needs no mask. It runs after the loop over the full k-tiles: ptxas fences every wgmma that a branch can skip
-    // (C7519), and inside the loop that cost the equal-count shapes' wgrads 2-6% (H100 A/B, v16 in
-    // docs/kernel_notes.md).
+    // (C7519), so keep such branches out of the loop, where the fences would slow every tile, equal counts included.
     auto k_tile = [&](int kt, auto partial) {
       pipeline.consumer_wait(read, pipeline.consumer_try_wait(read));
       const int stage = read.index();
@@ -277,9 +268,9 @@ struct RowRangeMainloop : Built {
  private:
   // Zeros the k-rows [valid, end of valid's 16-row wgmma) of both operands in `stage`: they hold the next
   // expert's rows (or TMA's zeros past T), and zeroing both keeps a non-finite value there out of this expert's
-  // sum (0 x inf is NaN). The rows of the wgmmas that mma skips stay as they are: zeroing them too cost the
-  // 4-row experts' wgrad 3% (H100 A/B, v17 in docs/kernel_notes.md). All consumer threads take part and meet
-  // before any MMA reads the stage; the fence orders the writes before wgmma's (async proxy) reads.
+  // sum (0 x inf is NaN). The rows of the wgmmas that mma skips are never read: leave them, zeroing them only
+  // adds shared stores before the barrier. All consumer threads take part and meet before any MMA reads the
+  // stage; the fence orders the writes before wgmma's (async proxy) reads.
   template <class TensorA, class TensorB>
   CUTLASS_DEVICE static void mask_rows_from(TensorA& sA, TensorB& sB, int stage, int valid, int thread_idx) {
     const int end = (valid + kMmaK - 1) / kMmaK * kMmaK;
@@ -304,19 +295,13 @@ struct RowRangeMainloop : Built {
 
 // 128x256x32 cooperative, cluster 2x1 (the dy tile multicast to two row tiles of d[e]), CUTLASS's TMA epilogue in
 // 128x32 subtiles with 4 store stages instead of the builder's 2 (fewer waits on the previous subtile's store).
-// Against 128x256 1x1 and 256x128 1x1/1x2, 1x2 and 2 store stages, this led by 1-3% in geomean over the benchmark's
-// wgrad shapes in two H100 runs (docs/kernel_notes.md); 256x128 1x2, cuBLAS's pick for the equal-count batch, tied
-// it in an interleaved A/B. 32-row k-tiles fit 8 stages of 24 KB where 64-row ones fit 4 of 48 KB: 168 KB of loads
-// can run ahead of the MMAs instead of 144, a tile's last wgmma batch is half as long to wait for, and an expert's
-// last k-tile loads at most 31 rows past it instead of 63. Wgrad geomean +0.9-1.5% in four same-process H100 A/Bs
-// (the benchmark's counts twice, routed counts, fp16), skewed counts +1.7-4.2%; 16-row k-tiles lost 5%, and staging
-// all of a tile's output at once (3 stages of 64 rows) lost 2-8% in geomean (docs/kernel_notes.md, v21). Both
-// operands are M/N-major, so their 128-byte swizzle does not depend on the k-tile; the forward's K-major operands
-// would drop to a 64-byte one. The epilogue only converts (d = acc): LinearCombination's alpha = 1 still cost a
-// multiply per element, 128 a thread per tile while the tensor cores wait (wgrad geomean +1.1% without them in an
-// H100 A/B). The row tiles' epilogue (two 128x64 boxes, 32-bit shared stores instead of `stmatrix`) ran the wgrad
-// 3-5% slower, also with each warpgroup's MMAs split into two halves so that it could store one half while the
-// other's last MMAs ran (docs/kernel_notes.md, v8 and v10).
+// 32-row k-tiles fit 8 stages of 24 KB where 64-row ones fit 4 of 48 KB: 168 KB of loads can run ahead of the
+// MMAs instead of 144, a tile's last wgmma batch is half as long to wait for, and an expert's last k-tile loads
+// at most 31 rows past it instead of 63. Shared memory sets the mainloop's depth: an epilogue that takes more of
+// it costs stages. Both operands are M/N-major, so their 128-byte swizzle does not depend on the k-tile; the
+// forward's K-major operands would drop to a 64-byte one. The epilogue only converts (d = acc): LinearCombination's
+// alpha = 1 would cost a multiply per element, 128 a thread per tile while the tensor cores wait. The tiles,
+// clusters, k-tile heights and epilogues measured against this one are in docs/kernels.md.
 template <Dtype D>
 struct WgradRowsConfig {
   using Element = typename ElementOf<D>::type;
@@ -374,9 +359,8 @@ constexpr int kCountedExperts = 256;
 // order[i]: the expert with the i-th most rows, ties by index. The GEMM waits for it. Up to kCountedExperts, an
 // expert's place is the number of experts ahead of it (more rows, or as many and a lower index), its compares
 // split over up to a warp of threads and summed by shuffles; above, cub's stable radix sort, descending, over
-// the bits num_rows (< 2^31, the row-range rule) can set, which costs the same at any E. This kernel on an H100
-// (launch and scan included; docs/kernel_notes.md, v12): 4.3 us at 8 experts, 5.3 at 128, 7.8 at 256, 12.0 at
-// 512 and 1024, where v11's one thread per expert took 4.3, 6.9, 10.9, 27 and 95.
+// the bits num_rows (< 2^31, the row-range rule) can set, which costs the same at any E. (One thread per expert
+// counting all the others grows with E^2.)
 inline __device__ void order_by_rows(const int64_t* offsets, int64_t experts, int64_t num_rows, int32_t* order) {
   const int count = static_cast<int>(experts), e = threadIdx.x;
   if (experts > kSortedExperts) {

@@ -108,7 +108,7 @@ def _grouped_gemm_wgrad_accum_fake(main_grad, x, dy, tokens_per_expert, trans_we
 
 
 # Autograd of moe_core::grouped_gemm lives in C++ (csrc/autograd.cpp): a Python autograd kernel would add
-# about 10 us of host time to every call.
+# host time to every call (docs/kernels.md).
 
 
 class _GroupedGemmMainGrad(torch.autograd.Function):
