@@ -22,6 +22,7 @@ from moe_core.activations import activation
 from moe_core.config import TransformerConfig
 from moe_core.mlp import MLP
 from moe_core.ops import grouped_gemm
+from moe_core.ops.swiglu import swiglu_with_probs
 
 
 class GroupedLinear(nn.Module):
@@ -168,7 +169,10 @@ def check_expert_inputs(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs:
 
 
 def _activation_with_probs(fc1_out: torch.Tensor, name: str, probs: torch.Tensor) -> torch.Tensor:
-    # The product is taken in the wider of the two dtypes (fp32 probs with bf16 activations), then cast back.
+    # SwiGLU runs fused with the probs (one pass each way, float32 inside). Otherwise the product is taken in
+    # the wider of the two dtypes (fp32 probs with bf16 activations), then cast back.
+    if name == "swiglu":
+        return swiglu_with_probs(fc1_out, probs)
     return (activation(fc1_out, name) * probs.unsqueeze(-1)).to(fc1_out.dtype)
 
 

@@ -1,48 +1,117 @@
-"""Token permutation for the dispatchers (capacity helpers live in capacity.py and are re-exported here).
+"""Token permutation for the dispatchers: routing map -> row maps -> permute (gather) / unpermute (gather-sum).
 
-Legend: N tokens, H hidden, E experts, R routed rows (expert-major), C capacity per expert.
+Legend: T tokens, H hidden, E experts, K slots per token (top-k), R routed rows (expert-major), C capacity
+per expert.
 
-The ideas follow Megatron-LM's ``moe_utils.py`` (``permute``, ``unpermute``, ``get_capacity``,
-``apply_router_token_dropping``): rows are ordered expert-major so that each expert's rows are contiguous
-for the grouped GEMM. moe_core applies ``probs`` inside the experts (before fc2), so ``unpermute`` is a pure
-scatter-add.
+The ideas follow Megatron-LM's ``moe_utils.py`` (``permute``, ``unpermute``): rows are ordered expert-major so
+that each expert's rows are contiguous for the grouped GEMM. Unlike Megatron's scatter-add, unpermute here is a
+gather-sum over each token's K rows (``moe_core.ops.permute``): deterministic, and its backward is a gather.
+moe_core applies ``probs`` inside the experts (before fc2), so unpermute sums without weights. Under autocast
+the permuted rows move in the autocast dtype: the cast is fused into the gather.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moe_core.moe.capacity import apply_token_dropping, get_capacity
+from moe_core.ops.permute import permute_rows, unpermute_rows
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """Where each routed row comes from and where each token's rows are.
+
+    Attributes:
+        token_of_row: ``[R]`` int64, the token row r copies; -1 for a padding row (drop_and_pad), which holds
+            zeros.
+        row_of_slot: ``[T, K]`` int64, the rows of token t in expert order; -1 for an empty slot (a dropped
+            or unused one).
+    """
+
+    token_of_row: torch.Tensor
+    row_of_slot: torch.Tensor
+
+
+def build_row_map(routing_map: torch.Tensor, num_slots: int, num_out_tokens: int | None = None,
+                  capacity: int | None = None) -> tuple[RowMap, torch.Tensor]:
+    """The ``RowMap`` of ``routing_map`` ``[T, E]`` bool (rows expert-major, token order inside an expert) and
+    ``expert_of_row`` ``[R]`` int64.
+
+    Args:
+        num_slots: K, at least the most experts any token has (``moe_router_topk``).
+        num_out_tokens: R when known (``routing_map.sum()``): spares ``nonzero``'s host sync.
+        capacity: C for drop_and_pad: expert e's rows are its routed tokens in token order, then padding rows,
+            C rows in all (R = E * C). The router must already have dropped tokens beyond C.
+    """
+    num_tokens, num_experts = routing_map.shape
+    device = routing_map.device
+    if capacity is None:
+        flat_ET = routing_map.t().reshape(-1)  # position p = e * T + t
+        if num_out_tokens is None:
+            positions = flat_ET.nonzero().squeeze(1)
+        else:
+            positions = torch.nonzero_static(flat_ET, size=num_out_tokens).squeeze(1)
+        token_of_row = positions.remainder(max(num_tokens, 1))
+        expert_of_row = positions.div(max(num_tokens, 1), rounding_mode="floor")
+        valid = torch.ones_like(token_of_row, dtype=torch.bool)
+    else:
+        # Routed tokens sort first (stable keeps token order); columns past T are padding.
+        order_ET = routing_map.t().to(torch.int8).argsort(dim=1, descending=True, stable=True)
+        if capacity > num_tokens:
+            order_ET = torch.cat([order_ET, order_ET.new_zeros(num_experts, capacity - num_tokens)], dim=1)
+        idx_EC = order_ET[:, :capacity]
+        valid_EC = routing_map.t().gather(1, idx_EC)
+        valid_EC[:, num_tokens:] = False
+        valid = valid_EC.reshape(-1)
+        token_of_row = torch.where(valid, idx_EC.reshape(-1), -1)
+        expert_of_row = torch.arange(num_experts, device=device).repeat_interleave(capacity)
+    # A row's slot: how many of its token's experts come before its expert.
+    slot_TE = routing_map.to(torch.int32).cumsum(dim=1) - 1
+    slot_of_row = slot_TE[token_of_row.clamp_min(0), expert_of_row].long()
+    # Padding rows write into a spare column K, dropped after.
+    slot_of_row = torch.where(valid, slot_of_row, num_slots)
+    row_of_slot = torch.full((num_tokens, num_slots + 1), -1, dtype=torch.int64, device=device)
+    rows = torch.arange(token_of_row.shape[0], device=device)
+    row_of_slot.index_put_((token_of_row.clamp_min(0), slot_of_row), rows)
+    return RowMap(token_of_row, row_of_slot[:, :num_slots].contiguous()), expert_of_row
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
-            num_out_tokens: int | None = None, drop_and_pad: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+            num_out_tokens: int | None = None, drop_and_pad: bool = False, num_slots: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, RowMap]:
     """Gather token rows into expert-major order (Megatron's ``permute`` with a routing map).
 
     Rows of expert 0 come first, then expert 1, ...; inside an expert, rows are in token order.
 
     Args:
-        tokens: ``[N, H]``.
-        routing_map: ``[N, E]`` bool, True where token n goes to expert e.
-        probs: ``[N, E]`` float (0 where not routed) or None; gathered alongside, differentiably.
+        tokens: ``[T, H]``.
+        routing_map: ``[T, E]`` bool, True where token t goes to expert e.
+        probs: ``[T, E]`` float (0 where not routed) or None; gathered alongside, differentiably.
         num_out_tokens: R, the number of output rows, or None. Without ``drop_and_pad`` it must equal
-            ``routing_map.sum()`` (e.g. ``N * topk`` when nothing is dropped) and spares the host sync of a
-            data-dependent selection; it is checked only on the CPU, where the check costs no sync. With
-            ``drop_and_pad`` it is ``E * C`` and required.
-        drop_and_pad: static shapes: expert e's rows are its routed tokens in token order, then padding rows
-            (unrouted tokens, or token 0 when C > N) whose prob is 0, C rows in all. The router must already
-            have dropped tokens beyond C (``apply_token_dropping``); extra ones would be cut here silently.
+            ``routing_map.sum()`` (e.g. ``T * topk`` when nothing is dropped) and spares the host sync of a
+            data-dependent selection; it is checked only on the CPU outside compilation, where the check costs
+            no sync. With ``drop_and_pad`` it is ``E * C`` and required.
+        drop_and_pad: static shapes: expert e's rows are its routed tokens in token order, then zero padding
+            rows whose prob is 0, C rows in all. The router must already have dropped tokens beyond C
+            (``apply_token_dropping``); extra ones would be cut here silently.
+        num_slots: K, at least the most experts any token has; None: E (always enough).
     Returns:
-        ``(permuted [R, H], permuted_probs [R] or None, sorted_indices [R] int64)`` where
-        ``sorted_indices[r]`` is the token of row r. Host sync: only without ``drop_and_pad`` and without
+        ``(permuted [R, H], permuted_probs [R] or None, row_map)``; ``permuted`` is in tokens' dtype, or the
+        autocast dtype inside ``torch.autocast``. Host sync: only without ``drop_and_pad`` and without
         ``num_out_tokens`` (R is data-dependent; ``nonzero`` must size its output).
     Raises:
-        ValueError / TypeError: shapes, dtypes or ``num_out_tokens`` do not fit.
+        ValueError / TypeError: shapes, dtypes, ``num_slots`` or ``num_out_tokens`` do not fit.
     """
     _check_routing(tokens, routing_map, probs)
     num_tokens, num_experts = routing_map.shape
-    map_EN = routing_map.t()
+    num_slots = num_experts if num_slots is None else num_slots
+    checkable = not routing_map.is_cuda and not torch.compiler.is_compiling()
+    if checkable and num_tokens and int(routing_map.sum(dim=1).max()) > num_slots:
+        raise ValueError(f"num_slots: a token has {int(routing_map.sum(dim=1).max())} experts, more than {num_slots}")
+    capacity = None
     if drop_and_pad:
         if num_out_tokens is None or num_out_tokens < 0 or num_out_tokens % num_experts:
             raise ValueError(
@@ -50,56 +119,44 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
                 f"got {num_out_tokens}"
             )
         capacity = num_out_tokens // num_experts
-        if capacity and not num_tokens:
-            raise ValueError(f"tokens: drop_and_pad with capacity {capacity} needs at least one token, got 0")
-        # Routed tokens sort first (stable keeps token order); columns past N point at token 0 as padding.
-        order_EN = map_EN.to(torch.int8).argsort(dim=1, descending=True, stable=True)
-        if capacity > num_tokens:
-            order_EN = torch.cat([order_EN, order_EN.new_zeros(num_experts, capacity - num_tokens)], dim=1)
-        idx_EC = order_EN[:, :capacity]
-        valid_EC = map_EN.gather(1, idx_EC)
-        valid_EC[:, num_tokens:] = False
-        sorted_indices = idx_EC.reshape(-1)
-        permuted_probs = None if probs is None else (probs.t().gather(1, idx_EC) * valid_EC).reshape(-1)
-    else:
-        flat = map_EN.reshape(-1)  # position p = e * N + n
-        if num_out_tokens is None:
-            positions = flat.nonzero().squeeze(1)
-        else:
-            if not flat.is_cuda and int(flat.sum()) != num_out_tokens:
-                raise ValueError(
-                    f"num_out_tokens: expected routing_map.sum() = {int(flat.sum())}, got {num_out_tokens}"
-                )
-            positions = torch.nonzero_static(flat, size=num_out_tokens).squeeze(1)
-        sorted_indices = positions.remainder(max(num_tokens, 1))
-        permuted_probs = None if probs is None else probs.t().reshape(-1).index_select(0, positions)
-    return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices
+    elif num_out_tokens is not None and checkable and int(routing_map.sum()) != num_out_tokens:
+        raise ValueError(f"num_out_tokens: expected routing_map.sum() = {int(routing_map.sum())}, got {num_out_tokens}")
+    row_map, expert_of_row = build_row_map(routing_map, num_slots, num_out_tokens, capacity)
+    permuted = permute_rows(tokens, row_map.token_of_row, row_map.row_of_slot, _compute_dtype(tokens))
+    permuted_probs = None
+    if probs is not None:
+        permuted_probs = probs[row_map.token_of_row.clamp_min(0), expert_of_row] * (row_map.token_of_row >= 0)
+    return permuted, permuted_probs, row_map
 
 
-def unpermute(permuted: torch.Tensor, sorted_indices: torch.Tensor, restore_shape: torch.Size | tuple[int, int]
-              ) -> torch.Tensor:
-    """Scatter-add expert-major rows back to their tokens: ``out[sorted_indices[r]] += permuted[r]``.
+def unpermute(permuted: torch.Tensor, row_map: RowMap) -> torch.Tensor:
+    """Sum each token's expert rows: ``out[t] = sum over k of permuted[row_of_slot[t, k]]``.
 
-    The inverse of ``permute`` up to the sum over each token's experts. A pure sum: moe_core applies the
-    probs inside the experts, and padding rows of drop_and_pad arrive as exact zeros.
+    The inverse of ``permute`` up to the sum over each token's experts, as a gather-sum: deterministic, no
+    atomics. A pure sum: moe_core applies the probs inside the experts.
 
     Args:
         permuted: ``[R, H]`` expert outputs.
-        sorted_indices: ``[R]`` int64 from ``permute``.
-        restore_shape: ``(N, H)``.
+        row_map: from ``permute``.
     Returns:
-        ``[N, H]`` in ``permuted``'s dtype; tokens routed nowhere get zeros.
+        ``[T, H]`` in ``permuted``'s dtype, summed in float32; tokens routed nowhere get zeros.
     Raises:
         ValueError: the shapes disagree.
     """
-    if permuted.dim() != 2 or sorted_indices.shape != permuted.shape[:1]:
+    if permuted.dim() != 2 or row_map.token_of_row.shape != permuted.shape[:1]:
         raise ValueError(
-            f"permuted / sorted_indices: expected [R, H] and [R], got {tuple(permuted.shape)} and "
-            f"{tuple(sorted_indices.shape)}"
+            f"permuted / row_map.token_of_row: expected [R, H] and [R], got {tuple(permuted.shape)} and "
+            f"{tuple(row_map.token_of_row.shape)}"
         )
-    if len(restore_shape) != 2 or restore_shape[1] != permuted.shape[1]:
-        raise ValueError(f"restore_shape: expected (N, {permuted.shape[1]}), got {tuple(restore_shape)}")
-    return permuted.new_zeros(restore_shape).index_add(0, sorted_indices, permuted)
+    return unpermute_rows(permuted, row_map.token_of_row, row_map.row_of_slot)
+
+
+def _compute_dtype(tokens: torch.Tensor) -> torch.dtype:
+    """The autocast dtype for float32/16-bit tokens inside ``torch.autocast``, else tokens' own dtype."""
+    device_type = tokens.device.type
+    if tokens.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return tokens.dtype
 
 
 def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None) -> None:
@@ -113,4 +170,4 @@ def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch
         raise ValueError(f"probs: expected {tuple(routing_map.shape)} like routing_map, got {tuple(probs.shape)}")
 
 
-__all__ = ["get_capacity", "apply_token_dropping", "permute", "unpermute"]
+__all__ = ["get_capacity", "apply_token_dropping", "RowMap", "build_row_map", "permute", "unpermute"]

@@ -57,6 +57,10 @@ def topk_indices(scores_NE: torch.Tensor, topk: int, num_groups: int | None = No
     return scores_NE.masked_fill(~expert_mask_NE, float("-inf")).topk(topk, dim=-1).indices
 
 
+def _autocast_on(tensor: torch.Tensor) -> bool:
+    return torch.is_autocast_enabled(tensor.device.type)
+
+
 class TopKRouter(nn.Module):
     """Route each token to ``moe_router_topk`` of ``num_moe_experts`` experts.
 
@@ -191,14 +195,20 @@ class TopKRouter(nn.Module):
         return probs_NE.float(), routing_map_NE
 
     def _logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
-        """``[N, E]`` logits, computed in ``moe_router_dtype`` and returned in at least float32."""
+        """``[N, E]`` logits, computed in ``moe_router_dtype`` and returned in at least float32.
+
+        With ``moe_router_dtype`` set, autocast is off for the logits GEMM, so under bf16 autocast they are
+        the float32 (or float64) product of the float32 inputs (Megatron's router_gating_linear); with None
+        the GEMM runs in the input's dtype, or the autocast dtype.
+        """
         eps = self.config.moe_input_jitter_eps
         if self.training and eps:
             hidden_NH = hidden_NH * torch.empty_like(hidden_NH).uniform_(1.0 - eps, 1.0 + eps)
         dtype = self.router_dtype or hidden_NH.dtype
-        logits_NE = hidden_NH.to(dtype) @ self.weight.to(dtype).t()
+        with torch.autocast(hidden_NH.device.type, enabled=self.router_dtype is None and _autocast_on(hidden_NH)):
+            logits_NE = hidden_NH.to(dtype) @ self.weight.to(dtype).t()
         # Scores, top-k and losses never run in bf16, whatever the GEMM ran in (Megatron: fp32 scores).
-        return logits_NE.to(torch.promote_types(dtype, torch.float32))
+        return logits_NE.to(torch.promote_types(logits_NE.dtype, torch.float32))
 
     def _topk_routing(self, logits_NE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(probs [N, E], routing_map [N, E] bool)`` before dropping (Megatron's

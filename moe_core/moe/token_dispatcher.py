@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from moe_core.config import TransformerConfig
-from moe_core.moe.moe_utils import get_capacity, permute, unpermute
+from moe_core.moe.moe_utils import RowMap, get_capacity, permute, unpermute
 
 
 class MoETokenDispatcher(abc.ABC):
@@ -74,19 +74,13 @@ class MoETokenDispatcher(abc.ABC):
 
 @dataclass(frozen=True)
 class LocalDispatchMeta:
-    """What ``MoELocalTokenDispatcher.combine`` needs.
+    """What ``MoELocalTokenDispatcher.combine`` needs: the ``moe_utils.RowMap`` from ``permute``."""
 
-    Attributes:
-        sorted_indices: ``[R]`` int64, the token of each permuted row (from ``permute``).
-        restore_shape: ``(N, H)`` of the dispatched hidden states.
-    """
-
-    sorted_indices: torch.Tensor
-    restore_shape: torch.Size
+    row_map: RowMap
 
 
 class MoELocalTokenDispatcher(MoETokenDispatcher):
-    """Single-rank dispatcher (EP size 1): permute into expert-major rows, unpermute by scatter-add.
+    """Single-rank dispatcher (EP size 1): permute into expert-major rows, unpermute by gather-sum.
 
     No collective. Host syncs: none when nothing is dropped or with drop_and_pad; with a capacity factor
     and no padding, ``permute`` syncs once to size its data-dependent output.
@@ -102,8 +96,9 @@ class MoELocalTokenDispatcher(MoETokenDispatcher):
         """
         check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
         num_tokens = hidden.shape[0]
-        permuted, permuted_probs, sorted_indices = permute(
-            hidden, routing_map, probs, num_out_tokens=self.num_out_tokens(num_tokens), drop_and_pad=self.drop_and_pad
+        permuted, permuted_probs, row_map = permute(
+            hidden, routing_map, probs, num_out_tokens=self.num_out_tokens(num_tokens), drop_and_pad=self.drop_and_pad,
+            num_slots=None if self.drop_and_pad else self.topk,
         )
         if self.drop_and_pad:
             tokens_per_expert = torch.full(
@@ -111,12 +106,12 @@ class MoELocalTokenDispatcher(MoETokenDispatcher):
             )
         else:
             tokens_per_expert = routing_map.sum(dim=0)
-        meta = LocalDispatchMeta(sorted_indices, hidden.shape)
+        meta = LocalDispatchMeta(row_map)
         return permuted, tokens_per_expert, permuted_probs.float(), meta
 
     def combine(self, expert_output: torch.Tensor, meta: LocalDispatchMeta) -> torch.Tensor:
         """See ``MoETokenDispatcher.combine``."""
-        return unpermute(expert_output, meta.sorted_indices, meta.restore_shape)
+        return unpermute(expert_output, meta.row_map)
 
 
 def check_dispatch_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,

@@ -18,17 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.moe_utils import permute, unpermute
+from moe_core.moe.moe_utils import RowMap, permute, unpermute
 from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
 from moe_core.parallel.collectives import all_gather_first_dim, reduce_scatter_first_dim
 
 
 @dataclass(frozen=True)
 class AllGatherDispatchMeta:
-    """What ``combine`` needs: the gathered token index of each permuted row and the gathered shape."""
+    """What ``combine`` needs: the row map of the gathered tokens (``moe_utils.RowMap``)."""
 
-    sorted_indices: torch.Tensor
-    gathered_shape: torch.Size
+    row_map: RowMap
 
 
 class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
@@ -45,8 +44,9 @@ class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
         if self.drop_and_pad:
             # Each source rank padded every expert to its own capacity; the local experts see ep of them.
             num_out_tokens = self.capacity(hidden.shape[0]) * self.ep_size * self.num_local_experts
-        permuted, permuted_probs, sorted_indices = permute(
-            gathered, local_map, probs=local_probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad
+        permuted, permuted_probs, row_map = permute(
+            gathered, local_map, probs=local_probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad,
+            num_slots=None if self.drop_and_pad else min(self.topk, self.num_local_experts),
         )
         if self.drop_and_pad:
             tokens_per_expert = torch.full(
@@ -55,12 +55,12 @@ class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
             )
         else:
             tokens_per_expert = local_map.sum(dim=0).to(torch.int64)
-        meta = AllGatherDispatchMeta(sorted_indices, gathered.shape)
+        meta = AllGatherDispatchMeta(row_map)
         return permuted, tokens_per_expert, permuted_probs.float(), meta
 
     def combine(self, expert_output: torch.Tensor, meta: AllGatherDispatchMeta) -> torch.Tensor:
-        """Scatter-add ``expert_output`` [R, H] into the gathered tokens, then keep this rank's [N, H] sum."""
-        out = unpermute(expert_output, meta.sorted_indices, meta.gathered_shape)
+        """Sum ``expert_output`` [R, H] into the gathered tokens, then keep this rank's [N, H] sum."""
+        out = unpermute(expert_output, meta.row_map)
         return reduce_scatter_first_dim(out, self.ep_group)
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.moe_utils import permute, unpermute
+from moe_core.moe.moe_utils import RowMap, permute, unpermute
 from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
 from moe_core.parallel.collectives import all_to_all
 
@@ -32,15 +32,13 @@ class AlltoAllDispatchMeta:
     """What ``combine`` needs to undo ``dispatch``.
 
     Attributes:
-        sorted_indices: ``[R_s]`` int64, the local token index of each permuted row (from ``permute``).
-        restore_shape: ``(N, H)`` of the dispatched hidden states.
+        row_map: the ``moe_utils.RowMap`` of this rank's tokens and the rows it sends (from ``permute``).
         input_splits / output_splits: rows sent to / received from each EP rank (host ints).
         chunk_sizes: rows received per (source rank, local expert), source-major; ``None`` with drop_and_pad.
         capacity: per-expert capacity with drop_and_pad, else ``None``.
     """
 
-    sorted_indices: torch.Tensor
-    restore_shape: torch.Size
+    row_map: RowMap
     input_splits: tuple[int, ...]
     output_splits: tuple[int, ...]
     chunk_sizes: tuple[int, ...] | None
@@ -84,15 +82,16 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         num_tokens = hidden.shape[0]
         capacity = self.capacity(num_tokens)
         num_out_tokens = self.num_out_tokens(num_tokens)
-        permuted, permuted_probs, sorted_indices = permute(
-            hidden, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad
+        permuted, permuted_probs, row_map = permute(
+            hidden, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad,
+            num_slots=None if self.drop_and_pad else self.topk,
         )
         if self.drop_and_pad:
-            return self._dispatch_padded(permuted, permuted_probs, sorted_indices, hidden.shape, capacity)
+            return self._dispatch_padded(permuted, permuted_probs, row_map, capacity)
 
         tokens_per_expert_local = routing_map.sum(dim=0)  # [E] rows this rank sends to each expert
         if self.ep_size == 1:
-            meta = AlltoAllDispatchMeta(sorted_indices, hidden.shape, (), (), None, None)
+            meta = AlltoAllDispatchMeta(row_map, (), (), None, None)
             return permuted, tokens_per_expert_local.to(torch.int64), permuted_probs.float(), meta
 
         # counts[s * L + e]: rows source rank s sends to local expert e.
@@ -109,12 +108,10 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         if self.num_local_experts > 1:
             received = sort_chunks_by_idxs(received, chunk_sizes, self._sort_order)
             received_probs = sort_chunks_by_idxs(received_probs, chunk_sizes, self._sort_order)
-        meta = AlltoAllDispatchMeta(
-            sorted_indices, hidden.shape, tuple(input_splits), tuple(output_splits), tuple(chunk_sizes), None
-        )
+        meta = AlltoAllDispatchMeta(row_map, tuple(input_splits), tuple(output_splits), tuple(chunk_sizes), None)
         return received, tokens_per_expert, received_probs, meta
 
-    def _dispatch_padded(self, permuted, permuted_probs, sorted_indices, restore_shape, capacity):
+    def _dispatch_padded(self, permuted, permuted_probs, row_map, capacity):
         # Static shapes: every (rank, expert) pair exchanges exactly `capacity` rows.
         ep, num_local = self.ep_size, self.num_local_experts
         splits = [num_local * capacity] * ep
@@ -124,11 +121,11 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         received = received.view(ep, num_local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
         received_probs = received_probs.view(ep, num_local, capacity).transpose(0, 1).reshape(-1)
         tokens_per_expert = torch.full((num_local,), ep * capacity, dtype=torch.int64, device=permuted.device)
-        meta = AlltoAllDispatchMeta(sorted_indices, restore_shape, tuple(splits), tuple(splits), None, capacity)
+        meta = AlltoAllDispatchMeta(row_map, tuple(splits), tuple(splits), None, capacity)
         return received, tokens_per_expert, received_probs, meta
 
     def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
-        """Return ``expert_output`` [R, H] rows to their source ranks and scatter-add them into ``[N, H]``.
+        """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[N, H]``.
 
         Probs were applied inside the experts, so this is a pure sum over each token's rows.
         """
@@ -141,7 +138,7 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
                 sorted_sizes = [meta.chunk_sizes[i] for i in self._sort_order]
                 out = sort_chunks_by_idxs(out, sorted_sizes, self._unsort_order)
             out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
-        return unpermute(out, meta.sorted_indices, meta.restore_shape)
+        return unpermute(out, meta.row_map)
 
 
 def _split_sizes_to_host(input_splits: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int]]:

@@ -121,8 +121,10 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
     device = training_device(pg_collection)
     model = build_model(model_config, cfg, device, pg_collection)
     if cfg.compile:
+        # Per layer, as torchtitan does. fullgraph proves the single-process layer traces without a break;
+        # under DDP/FSDP2 their hooks run inside the compiled call and may break the graph.
         for layer in model.decoder.layers:
-            layer.compile()
+            layer.compile(fullgraph=pg_collection is None)
     dense_params, expert_params = split_expert_params(model)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters)

@@ -1,6 +1,6 @@
 """permute / unpermute and the single-rank token dispatcher against per-token loop references.
 
-Legend: N tokens, H hidden, E experts, C capacity per expert, R permuted rows.
+Legend: T tokens, H hidden, E experts, K slots per token, C capacity per expert, R permuted rows.
 """
 
 import dataclasses
@@ -54,7 +54,8 @@ def test_permute_matches_loop_reference(static, num_tokens, num_experts, topk):
                                         empty_expert=1 if num_experts > topk else None)
     tokens = torch.randn(num_tokens, 3, dtype=torch.float64)
     num_out = num_tokens * topk if static else None
-    permuted, permuted_probs, sorted_indices = permute(tokens, routing_map, probs, num_out_tokens=num_out)
+    permuted, permuted_probs, row_map = permute(tokens, routing_map, probs, num_out_tokens=num_out, num_slots=topk)
+    sorted_indices = row_map.token_of_row
 
     expected = loop_permutation(routing_map)
     assert sorted_indices.dtype == torch.int64
@@ -67,14 +68,20 @@ def test_permute_matches_loop_reference(static, num_tokens, num_experts, topk):
     counts = routing_map.sum(0).tolist()
     for e, rows in enumerate(sorted_indices.split(counts)):
         assert routing_map[rows, e].all()
+    # row_of_slot inverts it: token n's slots hold its rows in expert order.
+    for n in range(num_tokens):
+        rows = [r for r, t in enumerate(expected) if t == n]
+        assert row_map.row_of_slot[n].tolist() == rows + [-1] * (topk - len(rows))
 
 
 def test_permute_row_order_by_hand():
     routing_map = torch.tensor([[1, 0, 1], [0, 0, 1], [1, 0, 0]], dtype=torch.bool)
     tokens = torch.tensor([[10.0], [11.0], [12.0]])
-    permuted, _, sorted_indices = permute(tokens, routing_map)
-    assert sorted_indices.tolist() == [0, 2, 0, 1]  # expert 0: tokens 0, 2; expert 1: none; expert 2: 0, 1
+    permuted, _, row_map = permute(tokens, routing_map, num_slots=2)
+    assert row_map.token_of_row.tolist() == [0, 2, 0, 1]  # expert 0: tokens 0, 2; expert 1: none; expert 2: 0, 1
+    assert row_map.row_of_slot.tolist() == [[0, 2], [3, -1], [1, -1]]
     assert permuted.flatten().tolist() == [10.0, 12.0, 10.0, 11.0]
+    assert unpermute(permuted, row_map).flatten().tolist() == [20.0, 11.0, 12.0]
 
 
 def test_unpermute_round_trip_and_grads():
@@ -83,13 +90,13 @@ def test_unpermute_round_trip_and_grads():
     probs[4] = 0
     tokens = torch.randn(11, 6, dtype=torch.float64, requires_grad=True)
     probs.requires_grad_(True)
-    permuted, permuted_probs, sorted_indices = permute(tokens, routing_map, probs)
-    out = unpermute(permuted * permuted_probs.unsqueeze(-1), sorted_indices, tokens.shape)
+    permuted, permuted_probs, row_map = permute(tokens, routing_map, probs, num_slots=2)
+    out = unpermute(permuted * permuted_probs.unsqueeze(-1), row_map)
     ref = loop_combine(tokens, routing_map, probs)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-15)
     assert torch.equal(out[4], torch.zeros(6, dtype=torch.float64))
     # Without probs the round trip counts each token's experts.
-    plain = unpermute(permuted, sorted_indices, tokens.shape)
+    plain = unpermute(permuted, row_map)
     torch.testing.assert_close(plain, tokens * routing_map.sum(1, keepdim=True), rtol=0, atol=1e-15)
 
     grad = torch.randn_like(out)
@@ -105,12 +112,15 @@ def test_drop_and_pad_static_shapes(num_tokens, capacity):
     routing_map, probs = random_routing(num_tokens, num_experts, 2, seed=capacity, empty_expert=2)
     probs, routing_map = apply_token_dropping(probs, routing_map, capacity, "probs", pad_to_capacity=False)
     tokens = torch.randn(num_tokens, 5, dtype=torch.float64)
-    permuted, permuted_probs, sorted_indices = permute(
+    permuted, permuted_probs, row_map = permute(
         tokens, routing_map, probs, num_out_tokens=num_experts * capacity, drop_and_pad=True
     )
+    sorted_indices = row_map.token_of_row
     assert permuted.shape == (num_experts * capacity, 5)
     assert permuted_probs.shape == sorted_indices.shape == (num_experts * capacity,)
-    assert torch.equal(permuted, tokens[sorted_indices])
+    padding = sorted_indices < 0
+    assert torch.equal(permuted[~padding], tokens[sorted_indices[~padding]])
+    assert torch.equal(permuted[padding], torch.zeros_like(permuted[padding]))  # padding rows: exact zeros
     for e in range(num_experts):
         rows = slice(e * capacity, (e + 1) * capacity)
         routed = [n for n in range(num_tokens) if routing_map[n, e]]
@@ -118,7 +128,8 @@ def test_drop_and_pad_static_shapes(num_tokens, capacity):
         assert sorted_indices[rows][:len(routed)].tolist() == routed
         assert torch.equal(permuted_probs[rows][:len(routed)], probs[routed, e])
         assert torch.equal(permuted_probs[rows][len(routed):], torch.zeros(capacity - len(routed), dtype=torch.float64))
-    out = unpermute(permuted * permuted_probs.unsqueeze(-1), sorted_indices, tokens.shape)
+        assert sorted_indices[rows][len(routed):].tolist() == [-1] * (capacity - len(routed))
+    out = unpermute(permuted * permuted_probs.unsqueeze(-1), row_map)
     torch.testing.assert_close(out, loop_combine(tokens, routing_map, probs), rtol=0, atol=1e-15)
 
 
@@ -135,10 +146,11 @@ def test_permute_rejects_bad_inputs():
         permute(tokens[:5], routing_map, probs)
     with pytest.raises(ValueError, match="probs"):
         permute(tokens, routing_map, probs[:, :2])
-    with pytest.raises(ValueError, match="restore_shape"):
-        unpermute(tokens, torch.arange(6), (6, 3))
-    with pytest.raises(ValueError, match="sorted_indices"):
-        unpermute(tokens, torch.arange(5), (6, 2))
+    with pytest.raises(ValueError, match="num_slots"):
+        permute(tokens, routing_map | routing_map.roll(1, dims=1), num_slots=1)
+    _, _, row_map = permute(tokens, routing_map, num_slots=1)
+    with pytest.raises(ValueError, match="token_of_row"):
+        unpermute(tokens[:5], row_map)
 
 
 def dispatch_reference_check(dispatcher, hidden, probs, routing_map, expected_rows):
@@ -147,7 +159,7 @@ def dispatch_reference_check(dispatcher, hidden, probs, routing_map, expected_ro
     assert permuted_probs.dtype == torch.float32
     assert permuted.shape == (expected_rows, hidden.shape[1])
     with pytest.raises(dataclasses.FrozenInstanceError):
-        meta.sorted_indices = None
+        meta.row_map = None
     out = dispatcher.combine(permuted * permuted_probs.unsqueeze(-1).to(permuted.dtype), meta)
     return tokens_per_expert, out
 
@@ -185,7 +197,7 @@ def test_local_dispatcher_rejects_bad_inputs():
     with pytest.raises(TypeError, match="routing_map"):
         dispatcher.dispatch(torch.randn(4, 8), probs, routing_map.long())
     routing_map[0] = True  # 5 experts for token 0, but topk is 2
-    with pytest.raises(ValueError, match="num_out_tokens"):
+    with pytest.raises(ValueError, match="num_slots"):
         dispatcher.dispatch(torch.randn(4, 8), probs, routing_map)
 
 

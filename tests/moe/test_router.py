@@ -385,3 +385,25 @@ def test_bad_input_and_config_raise():
         make_config(moe_token_drop_policy="random")
     with pytest.raises(ValueError, match="moe_aux_loss_coeff"):
         make_config(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.1])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_logits_under_autocast_equal_float32_bitwise(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8,
+                               moe_router_topk=2, moe_ffn_hidden_size=32)
+    router = TopKRouter(config).to(device)
+    hidden = torch.randn(50, 64, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        logits = router._logits(hidden)
+        probs, routing_map = router(hidden)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, hidden @ router.weight.t())
+    want_probs, want_map = router(hidden)
+    assert torch.equal(probs, want_probs) and torch.equal(routing_map, want_map)
+    # Negative control: with moe_router_dtype None the logits GEMM follows autocast into bf16.
+    router.router_dtype = None
+    with torch.autocast(device, dtype=torch.bfloat16):
+        lowered = router._logits(hidden)
+    assert not torch.equal(lowered, hidden @ router.weight.t())

@@ -1,0 +1,99 @@
+"""Permute and unpermute as row gathers: ``torch.ops.moe_core.permute_rows`` / ``unpermute_rows``.
+
+Legend: T tokens, K slots per token (top-k), R routed rows, H hidden.
+
+Two index maps describe a routing (built by ``moe_core.moe.moe_utils.build_row_map``): ``token_of_row [R]``,
+the token each routed row copies (-1: a padding row of zeros), and ``row_of_slot [T, K]``, the row holding
+each of a token's K slots (-1: an empty slot). Permute gathers ``x[token_of_row]``; unpermute gathers each
+token's K rows and sums them in slot order. Each is the other's backward, so neither direction scatters or
+uses atomics: results are deterministic. On CUDA the gathers are Triton kernels (``ops/triton/permute.py``);
+elsewhere the PyTorch references of ``ops/reference.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_core.ops.reference import gather_rows_ref, gather_sum_rows_ref
+from moe_core.ops.triton_available import triton_available
+
+
+def _gather_rows(src: torch.Tensor, index: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if src.is_cuda and triton_available():
+        from moe_core.ops.triton.permute import gather_rows
+
+        return gather_rows(src.contiguous(), index.contiguous(), out_dtype)
+    return gather_rows_ref(src, index, out_dtype)
+
+
+def _gather_sum_rows(src: torch.Tensor, index: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    if src.is_cuda and triton_available():
+        from moe_core.ops.triton.permute import gather_sum_rows
+
+        return gather_sum_rows(src.contiguous(), index.contiguous(), out_dtype)
+    return gather_sum_rows_ref(src, index, out_dtype)
+
+
+@torch.library.custom_op("moe_core::permute_rows", mutates_args=())
+def _permute_rows(x: torch.Tensor, token_of_row: torch.Tensor, row_of_slot: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    return _gather_rows(x, token_of_row, out_dtype)
+
+
+@torch.library.custom_op("moe_core::unpermute_rows", mutates_args=())
+def _unpermute_rows(y: torch.Tensor, token_of_row: torch.Tensor, row_of_slot: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    return _gather_sum_rows(y, row_of_slot, out_dtype)
+
+
+@_permute_rows.register_fake
+def _(x, token_of_row, row_of_slot, out_dtype):
+    return x.new_empty(token_of_row.shape[0], x.shape[1], dtype=out_dtype)
+
+
+@_unpermute_rows.register_fake
+def _(y, token_of_row, row_of_slot, out_dtype):
+    return y.new_empty(row_of_slot.shape[0], y.shape[1], dtype=out_dtype)
+
+
+def _save_maps(ctx, inputs, output):
+    src, token_of_row, row_of_slot, _ = inputs
+    ctx.save_for_backward(token_of_row, row_of_slot)
+    ctx.src_dtype = src.dtype
+
+
+def _permute_rows_backward(ctx, grad):
+    token_of_row, row_of_slot = ctx.saved_tensors
+    return torch.ops.moe_core.unpermute_rows(grad, token_of_row, row_of_slot, ctx.src_dtype), None, None, None
+
+
+def _unpermute_rows_backward(ctx, grad):
+    token_of_row, row_of_slot = ctx.saved_tensors
+    return torch.ops.moe_core.permute_rows(grad, token_of_row, row_of_slot, ctx.src_dtype), None, None, None
+
+
+_permute_rows.register_autograd(_permute_rows_backward, setup_context=_save_maps)
+_unpermute_rows.register_autograd(_unpermute_rows_backward, setup_context=_save_maps)
+
+
+def permute_rows(x_TH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot_TK: torch.Tensor,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[R, H]``: row r is ``x_TH[token_of_row_R[r]]`` cast to ``out_dtype`` (default x's), zeros where the
+    index is -1. Differentiable in x; its backward is ``unpermute_rows`` of the gradient.
+
+    Args:
+        x_TH: ``[T, H]`` float. token_of_row_R: ``[R]`` int64. row_of_slot_TK: ``[T, K]`` int64, the
+        inverse map (used by the backward).
+    """
+    return torch.ops.moe_core.permute_rows(x_TH, token_of_row_R, row_of_slot_TK, out_dtype or x_TH.dtype)
+
+
+def unpermute_rows(y_RH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot_TK: torch.Tensor,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[T, H]``: row t sums ``y_RH[row_of_slot_TK[t, k]]`` over its non-empty slots in slot order, in float32
+    (float64 for float64 rows), cast to ``out_dtype`` (default y's). Differentiable in y; its backward is
+    ``permute_rows`` of the gradient (padding rows, index -1, get zero gradient)."""
+    return torch.ops.moe_core.unpermute_rows(y_RH, token_of_row_R, row_of_slot_TK, out_dtype or y_RH.dtype)
+
+
+__all__ = ["permute_rows", "unpermute_rows"]

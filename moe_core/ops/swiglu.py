@@ -1,0 +1,81 @@
+"""SwiGLU with the routing probs folded in (Megatron's ``activation_func_with_probs`` for swiglu), forward
+and backward each one pass: ``torch.ops.moe_core.swiglu_with_probs``.
+
+Legend: R routed rows, F expert ffn width.
+
+On CUDA the passes are Triton kernels (``ops/triton/swiglu.py``); elsewhere the PyTorch references
+``swiglu_with_probs_ref`` and ``swiglu_with_probs_backward_ref``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_core.ops.reference import swiglu_with_probs_backward_ref, swiglu_with_probs_ref
+from moe_core.ops.triton_available import triton_available
+
+
+def _use_triton(fc1_out: torch.Tensor) -> bool:
+    return fc1_out.is_cuda and triton_available()
+
+
+@torch.library.custom_op("moe_core::swiglu_with_probs", mutates_args=())
+def _swiglu_with_probs(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    if _use_triton(fc1_out):
+        from moe_core.ops.triton.swiglu import swiglu_probs_fwd
+
+        return swiglu_probs_fwd(fc1_out.contiguous(), probs.contiguous())
+    return swiglu_with_probs_ref(fc1_out, probs)
+
+
+@torch.library.custom_op("moe_core::swiglu_with_probs_backward", mutates_args=())
+def _swiglu_with_probs_backward(grad: torch.Tensor, fc1_out: torch.Tensor, probs: torch.Tensor
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(fc1_out):
+        from moe_core.ops.triton.swiglu import swiglu_probs_bwd
+
+        return swiglu_probs_bwd(grad.contiguous(), fc1_out.contiguous(), probs.contiguous())
+    return swiglu_with_probs_backward_ref(grad, fc1_out, probs)
+
+
+@_swiglu_with_probs.register_fake
+def _(fc1_out, probs):
+    return fc1_out.new_empty(fc1_out.shape[0], fc1_out.shape[1] // 2)
+
+
+@_swiglu_with_probs_backward.register_fake
+def _(grad, fc1_out, probs):
+    return torch.empty_like(fc1_out), torch.empty_like(probs)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    fc1_out, probs = ctx.saved_tensors
+    return tuple(torch.ops.moe_core.swiglu_with_probs_backward(grad, fc1_out, probs))
+
+
+_swiglu_with_probs.register_autograd(_backward, setup_context=_setup)
+
+
+def swiglu_with_probs(fc1_out_RF2: torch.Tensor, probs_R: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up * probs`` per row, computed in float32 and rounded once to fc1's dtype.
+
+    Args:
+        fc1_out_RF2: ``[R, 2F]`` float, gate half first (Megatron's order). probs_R: ``[R]`` float.
+    Returns:
+        ``[R, F]`` in fc1_out's dtype. Differentiable in both inputs (``probs_R`` gets
+        ``sum_f grad * silu(gate) * up``).
+    Raises:
+        ValueError: shapes do not fit.
+    """
+    if fc1_out_RF2.dim() != 2 or fc1_out_RF2.shape[1] % 2:
+        raise ValueError(f"fc1_out_RF2: expected [R, 2F], got {tuple(fc1_out_RF2.shape)}")
+    if probs_R.shape != fc1_out_RF2.shape[:1]:
+        raise ValueError(f"probs_R: expected [{fc1_out_RF2.shape[0]}], got {tuple(probs_R.shape)}")
+    return torch.ops.moe_core.swiglu_with_probs(fc1_out_RF2, probs_R)
+
+
+__all__ = ["swiglu_with_probs"]

@@ -1,0 +1,74 @@
+"""SwiGLU with the routing probs folded in, forward and backward in one pass each (float32 arithmetic).
+
+Legend: R rows, F expert ffn width; fc1's output is ``[R, 2F]``, gate half first.
+Forward ``h = silu(g) * u * p``; backward, with ``s = sigmoid(g)``:
+``dg = dh * p * u * s * (1 + g * (1 - s))``, ``du = dh * p * silu(g)``, ``dp = sum_f dh * silu(g) * u``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_F = 1024
+
+
+@triton.jit
+def _swiglu_probs_fwd_kernel(fc1_ptr, probs_ptr, out_ptr, F, BLOCK_F: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = cols < F
+    gate = tl.load(fc1_ptr + row * 2 * F + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(fc1_ptr + row * 2 * F + F + cols, mask=mask, other=0.0).to(tl.float32)
+    prob = tl.load(probs_ptr + row).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up * prob
+    tl.store(out_ptr + row * F + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_probs_bwd_kernel(grad_ptr, fc1_ptr, probs_ptr, dfc1_ptr, dprobs_ptr, F, BLOCK_F: tl.constexpr):
+    # One program per row: the probs gradient is a reduction over the row's F columns.
+    row = tl.program_id(0).to(tl.int64)
+    prob = tl.load(probs_ptr + row).to(tl.float32)
+    dprob = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    for start in range(0, F, BLOCK_F):
+        cols = start + tl.arange(0, BLOCK_F)
+        mask = cols < F
+        grad = tl.load(grad_ptr + row * F + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(fc1_ptr + row * 2 * F + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(fc1_ptr + row * 2 * F + F + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        dgate = grad * prob * up * sig * (1.0 + gate * (1.0 - sig))
+        dup = grad * prob * silu
+        tl.store(dfc1_ptr + row * 2 * F + cols, dgate.to(dfc1_ptr.dtype.element_ty), mask=mask)
+        tl.store(dfc1_ptr + row * 2 * F + F + cols, dup.to(dfc1_ptr.dtype.element_ty), mask=mask)
+        dprob += grad * silu * up
+    tl.store(dprobs_ptr + row, tl.sum(dprob, axis=0).to(dprobs_ptr.dtype.element_ty))
+
+
+def _block(f: int) -> int:
+    return min(_BLOCK_F, triton.next_power_of_2(max(f, 16)))
+
+
+def swiglu_probs_fwd(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``fc1_out`` ``[R, 2F]`` contiguous, ``probs`` ``[R]`` -> ``[R, F]`` in fc1_out's dtype."""
+    rows, f = fc1_out.shape[0], fc1_out.shape[1] // 2
+    out = torch.empty(rows, f, dtype=fc1_out.dtype, device=fc1_out.device)
+    if rows and f:
+        block = _block(f)
+        _swiglu_probs_fwd_kernel[(rows, triton.cdiv(f, block))](fc1_out, probs, out, f, BLOCK_F=block, num_warps=4)
+    return out
+
+
+def swiglu_probs_bwd(grad: torch.Tensor, fc1_out: torch.Tensor, probs: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dfc1 [R, 2F] in fc1_out's dtype, dprobs [R] in probs' dtype)`` from ``grad`` ``[R, F]``."""
+    rows, f = fc1_out.shape[0], fc1_out.shape[1] // 2
+    dfc1 = torch.empty_like(fc1_out)
+    dprobs = torch.empty_like(probs)
+    if rows:
+        if f:
+            _swiglu_probs_bwd_kernel[(rows,)](grad, fc1_out, probs, dfc1, dprobs, f, BLOCK_F=_block(f), num_warps=4)
+        else:
+            dprobs.zero_()
+    return dfc1, dprobs
