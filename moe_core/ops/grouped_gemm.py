@@ -65,7 +65,7 @@ def check_grouped_gemm_args(x, weight, tokens_per_expert, trans_weight: bool) ->
         raise TypeError(f"tokens_per_expert: expected int32 or int64, got {tokens_per_expert.dtype}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"x: expected one of {_FLOAT_DTYPES}, got {x.dtype}")
-    if weight.dtype != x.dtype:
+    if weight.dtype != x.dtype and not _autocast_casts_both(x, weight):
         raise TypeError(f"weight: expected x's dtype {x.dtype}, got {weight.dtype}")
     if weight.device != x.device:
         raise ValueError(f"weight: expected x's device {x.device}, got {weight.device}")
@@ -84,6 +84,13 @@ def check_grouped_gemm_args(x, weight, tokens_per_expert, trans_weight: bool) ->
         total = int(tokens_per_expert.sum())
         if total != x.shape[0]:
             raise ValueError(f"tokens_per_expert: counts sum to {total}, expected T = {x.shape[0]} (x's rows)")
+
+
+def _autocast_casts_both(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inside torch.autocast the op's Autocast kernel (csrc/autocast.cpp) casts float32/16-bit x and weight to
+    one dtype, so they may differ here."""
+    eligible = (torch.float32, torch.bfloat16, torch.float16)
+    return torch.is_autocast_enabled(x.device.type) and x.dtype in eligible and weight.dtype in eligible
 
 
 def _is_tracing() -> bool:

@@ -64,3 +64,11 @@ def test_cuda_autocast_reaches_the_16_bit_kernels(monkeypatch, capfd):
     assert "portable kernel (not bf16/fp16)" not in err
     if torch.cuda.get_device_capability() == (9, 0) and "built without sm_90a" not in err:
         assert "portable kernel" not in err and "tile" in err
+
+
+def test_mixed_input_dtypes_are_accepted_only_under_autocast():
+    x, w, counts = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert grouped_gemm(x.bfloat16(), w, counts).dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="weight: expected x's dtype"):
+        grouped_gemm(x.bfloat16(), w, counts)
