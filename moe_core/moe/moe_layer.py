@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from moe_core.config import TransformerConfig
+from moe_core.moe.dispatcher_factory import build_token_dispatcher
 from moe_core.moe.experts import GroupedMLP, SequentialMLP
 from moe_core.moe.router import TopKRouter
 from moe_core.moe.shared_experts import SharedExpertMLP
-from moe_core.moe.token_dispatcher import build_token_dispatcher
 
 
 class MoELayer(nn.Module):

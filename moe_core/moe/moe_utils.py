@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from moe_core.moe.capacity import apply_token_dropping, get_capacity
-
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
             num_out_tokens: int | None = None, drop_and_pad: bool = False
@@ -113,4 +111,4 @@ def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch
         raise ValueError(f"probs: expected {tuple(routing_map.shape)} like routing_map, got {tuple(probs.shape)}")
 
 
-__all__ = ["get_capacity", "apply_token_dropping", "permute", "unpermute"]
+__all__ = ["permute", "unpermute"]
