@@ -108,7 +108,7 @@ def test_moe_core_has_no_import_cycle():
                       "MoETokenDispatcher", "MoELocalTokenDispatcher", "MoEAlltoAllTokenDispatcher",
                       "MoEAllGatherTokenDispatcher", "build_token_dispatcher"]),
     ("moe_core.parallel", ["load_full_state_dict", "gather_full_state_dict", "clip_grad_norm_",
-                           "ProcessGroupCollection"]),
+                           "ProcessGroupCollection", "check_ep_size"]),
 ])
 def test_public_names(package, names):
     module = importlib.import_module(package)

@@ -85,6 +85,24 @@ def check_expert_split(num_moe_experts: int, expert_model_parallel_size: int) ->
         )
 
 
+def check_ep_size(expert_model_parallel_size: int, pg_collection: ProcessGroupCollection | None) -> int:
+    """The EP size of ``pg_collection`` (1 for None) once it is checked to equal the config's.
+
+    ``TransformerConfig.expert_model_parallel_size`` sizes the model (``num_local_experts``) and the groups
+    place the experts; models call this at construction so the two cannot disagree.
+
+    Raises:
+        ValueError: the sizes differ.
+    """
+    ep_size = 1 if pg_collection is None else pg_collection.ep_size
+    if ep_size != expert_model_parallel_size:
+        raise ValueError(
+            f"pg_collection: EP size {ep_size} (1 when None) differs from the config's expert_model_parallel_size "
+            f"({expert_model_parallel_size})"
+        )
+    return ep_size
+
+
 def default_device_type() -> str:
     """``"cuda"`` when the default process group is NCCL, else ``"cpu"``."""
     return "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -137,4 +155,6 @@ def build_process_groups(
     )
 
 
-__all__ = ["ProcessGroupCollection", "build_process_groups", "check_expert_split", "default_device_type"]
+__all__ = [
+    "ProcessGroupCollection", "build_process_groups", "check_expert_split", "check_ep_size", "default_device_type",
+]
