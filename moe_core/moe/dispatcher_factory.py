@@ -6,15 +6,11 @@ A module of its own because it imports every dispatcher, and the EP dispatchers 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from moe_core.config import TransformerConfig
 from moe_core.moe.token_dispatcher import MoELocalTokenDispatcher, MoETokenDispatcher
 from moe_core.moe.token_dispatcher_allgather import MoEAllGatherTokenDispatcher
 from moe_core.moe.token_dispatcher_alltoall import MoEAlltoAllTokenDispatcher
-
-if TYPE_CHECKING:
-    from moe_core.parallel.process_groups import ProcessGroupCollection
+from moe_core.parallel.process_groups import ProcessGroupCollection
 
 EP_DISPATCHERS = {"alltoall": MoEAlltoAllTokenDispatcher, "allgather": MoEAllGatherTokenDispatcher}
 

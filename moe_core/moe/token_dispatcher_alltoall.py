@@ -22,9 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_core.config import TransformerConfig
 from moe_core.moe.moe_utils import permute, unpermute
 from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
 from moe_core.parallel.collectives import all_to_all
+from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
     Arguments and errors: see ``ExpertParallelTokenDispatcher``.
     """
 
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: TransformerConfig,
+                 pg_collection: ProcessGroupCollection | None = None):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
         # Received chunks are source-major; experts want them expert-major.
         ep, num_local = self.ep_size, num_local_experts
