@@ -1,6 +1,6 @@
 """A Megatron-style decoder-only GPT with dense or MoE MLPs (Megatron's ``GPTModel``).
 
-Legend: B batch, S sequence, H hidden, V vocabulary.
+Legend (docs/design.md): B batch, S sequence, T = B * S tokens, H hidden, V vocabulary.
 """
 
 from __future__ import annotations
@@ -93,18 +93,18 @@ class GPTModel(nn.Module):
         if not active:
             return count
         for layer in self.moe_layers():
-            # E_local experts of equal size: the topk-expert share is exact in integers.
+            # L experts of equal size: the topk-expert share is exact in integers.
             routed = sum(p.numel() for p in layer.experts.parameters())
             count -= routed - routed * self.config.moe_router_topk // layer.num_local_experts
         return count
 
     def flops_per_token(self) -> float:
-        """Training FLOPs (forward + backward) per token at ``seq_length``: ``6 N + 12 L Nq D S``.
+        """Training FLOPs (forward + backward) per token at ``seq_length``: ``6 P + 12 num_layers Nq D S``.
 
-        ``N``: the active parameters less the input embedding (a lookup, no FLOPs; a tied one is still the
+        ``P``: the active parameters less the input embedding (a lookup, no FLOPs; a tied one is still the
         output matmul and stays in). Each is one multiply-add per token forward and two backward: 6 FLOPs.
         Norm weights and biases are counted as if they were matmul weights (< 0.01% of any config here).
-        ``12 L Nq D S``: attention's ``Q K^T`` and ``A V``, forward and backward, without the causal half
+        ``12 num_layers Nq D S``: attention's ``Q K^T`` and ``A V``, forward and backward, without the causal half
         saving. Source: PaLM (Chowdhery et al. 2022), appendix B, the formula MFU is usually quoted with;
         Megatron-LM's ``num_floating_point_operations`` (Narayanan et al. 2021, appendix) builds the same terms
         from the config, without the router and norms.

@@ -1,6 +1,6 @@
 """Pre-norm transformer layers and their stack (Megatron's ``TransformerLayer`` and ``TransformerBlock``).
 
-Legend: B batch, S sequence, H hidden.
+Legend (docs/design.md): B batch, S sequence, H hidden.
 """
 
 from __future__ import annotations

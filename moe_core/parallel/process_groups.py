@@ -70,7 +70,7 @@ class ProcessGroupCollection:
         return dist.get_world_size(self.expt_dp)
 
     def local_expert_indices(self, num_moe_experts: int) -> list[int]:
-        """Global ids of the experts this rank holds: ``ep_rank * E_local + [0, E_local)``."""
+        """Global ids of the L experts this rank holds: ``ep_rank * L + [0, L)``."""
         check_expert_split(num_moe_experts, self.ep_size)
         num_local = num_moe_experts // self.ep_size
         return list(range(self.ep_rank * num_local, (self.ep_rank + 1) * num_local))
