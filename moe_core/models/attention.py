@@ -1,7 +1,7 @@
 """Causal self-attention with grouped-query attention (GQA), RoPE and optional QK-norm (Megatron's SelfAttention).
 
-Legend: B batch, S sequence, H hidden, Nq query heads, Nkv key/value heads (num_query_groups), D head dim
-(kv_channels).
+Legend (docs/design.md): B batch, S sequence, H hidden, Nq query heads, Nkv key/value heads
+(num_query_groups), D head dim (kv_channels).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A Megatron-style decoder-only GPT with dense or MoE MLPs (Megatron's ``GPTModel``).
 
-Legend: B batch, S sequence, H hidden, V vocabulary.
+Legend (docs/design.md): B batch, S sequence, T = B * S tokens, H hidden, V vocabulary.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 from moe_core.config import TransformerConfig
 from moe_core.models.transformer_block import TransformerBlock
 from moe_core.moe.moe_layer import MoELayer
+from moe_core.parallel.process_groups import ProcessGroupCollection, check_ep_size
 
 
 class GPTModel(nn.Module):
@@ -23,12 +24,16 @@ class GPTModel(nn.Module):
 
     Args:
         config: ``TransformerConfig``.
-        pg_collection: ``moe_core.parallel.ProcessGroupCollection`` for expert parallelism (this rank then
-            holds ``num_moe_experts / EP`` experts per MoE layer), or None.
+        pg_collection: the process groups for expert parallelism (this rank then holds ``num_moe_experts / EP``
+            experts per MoE layer), or None for one rank holding every expert.
+    Raises:
+        ValueError: the EP size of ``pg_collection`` (1 for None) differs from
+            ``config.expert_model_parallel_size``.
     """
 
-    def __init__(self, config: TransformerConfig, pg_collection=None):
+    def __init__(self, config: TransformerConfig, pg_collection: ProcessGroupCollection | None = None):
         super().__init__()
+        check_ep_size(config.expert_model_parallel_size, pg_collection)
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         nn.init.normal_(self.embedding.weight, mean=0.0, std=config.init_method_std)
@@ -47,9 +52,10 @@ class GPTModel(nn.Module):
                 (``F.cross_entropy``'s ignore_index).
         Returns:
             ``[B, S, V]`` float32 logits when ``labels`` is None, else the per-token cross-entropy ``[B, S]``
-            float32 in nats (Megatron's convention: the caller reduces it). The output matmul runs in the
-            autocast / parameter dtype and its result is upcast before the softmax (Megatron and Hugging Face
-            do the same: an fp32 matmul over the vocabulary would cost as much as several layers).
+            float32 in nats (Megatron's convention: the caller reduces it), a tensor of its own rather than a
+            view, so the caller may mask it in place. The output matmul runs in the autocast / parameter dtype
+            and its result is upcast before the softmax (Megatron and Hugging Face do the same: an fp32 matmul
+            over the vocabulary would cost as much as several layers).
         Raises:
             TypeError: ``input_ids`` is not an int64 / int32 tensor, or ``labels`` not an int64 one.
             ValueError: ``input_ids`` is not 2-D, or ``labels`` has another shape.
@@ -65,7 +71,10 @@ class GPTModel(nn.Module):
         _check_ids("labels", labels, (torch.int64,))
         if labels.shape != input_ids.shape:
             raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-        return F.cross_entropy(logits_BSV.flatten(0, 1), labels.flatten(), reduction="none").reshape(labels.shape)
+        loss_T = F.cross_entropy(logits_BSV.flatten(0, 1), labels.flatten(), reduction="none")
+        # A fresh [B, S] tensor, not a view of loss_T: FSDP2 hooks its backward on the module's outputs, and an
+        # in-place op on a returned view (a caller's `loss[mask] = 0`) would drop that hook.
+        return loss_T.view(labels.shape).clone()
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in depth order (``.router`` holds aux losses, loads, expert bias, ``aux_loss_scale``)."""
@@ -84,18 +93,18 @@ class GPTModel(nn.Module):
         if not active:
             return count
         for layer in self.moe_layers():
-            # E_local experts of equal size: the topk-expert share is exact in integers.
+            # L experts of equal size: the topk-expert share is exact in integers.
             routed = sum(p.numel() for p in layer.experts.parameters())
             count -= routed - routed * self.config.moe_router_topk // layer.num_local_experts
         return count
 
     def flops_per_token(self) -> float:
-        """Training FLOPs (forward + backward) per token at ``seq_length``: ``6 N + 12 L Nq D S``.
+        """Training FLOPs (forward + backward) per token at ``seq_length``: ``6 P + 12 num_layers Nq D S``.
 
-        ``N``: the active parameters less the input embedding (a lookup, no FLOPs; a tied one is still the
+        ``P``: the active parameters less the input embedding (a lookup, no FLOPs; a tied one is still the
         output matmul and stays in). Each is one multiply-add per token forward and two backward: 6 FLOPs.
         Norm weights and biases are counted as if they were matmul weights (< 0.01% of any config here).
-        ``12 L Nq D S``: attention's ``Q K^T`` and ``A V``, forward and backward, without the causal half
+        ``12 num_layers Nq D S``: attention's ``Q K^T`` and ``A V``, forward and backward, without the causal half
         saving. Source: PaLM (Chowdhery et al. 2022), appendix B, the formula MFU is usually quoted with;
         Megatron-LM's ``num_floating_point_operations`` (Narayanan et al. 2021, appendix) builds the same terms
         from the config, without the router and norms.

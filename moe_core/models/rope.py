@@ -1,6 +1,6 @@
 """Rotary position embedding (Su et al. 2021, RoFormer), the rotate-half form used by GPT-NeoX, Llama and Megatron.
 
-Legend: B batch, N heads, S sequence, D head dim.
+Legend (docs/design.md): B batch, N heads, S sequence, D head dim.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pre-norm transformer layers and their stack (Megatron's ``TransformerLayer`` and ``TransformerBlock``).
 
-Legend: B batch, S sequence, H hidden.
+Legend (docs/design.md): B batch, S sequence, H hidden.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from moe_core.mlp import MLP
 from moe_core.models.attention import SelfAttention
 from moe_core.models.rope import rope_cos_sin
 from moe_core.moe.moe_layer import MoELayer
+from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
 class TransformerLayer(nn.Module):
@@ -22,7 +23,8 @@ class TransformerLayer(nn.Module):
     width ``ffn_hidden_size``.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, pg_collection=None):
+    def __init__(self, config: TransformerConfig, layer_number: int,
+                 pg_collection: ProcessGroupCollection | None = None):
         super().__init__()
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
         self.self_attention = SelfAttention(config)
@@ -43,7 +45,7 @@ class TransformerBlock(nn.Module):
     The RoPE angles are computed once per forward and shared by every layer (Megatron's ``rotary_pos_emb``).
     """
 
-    def __init__(self, config: TransformerConfig, pg_collection=None):
+    def __init__(self, config: TransformerConfig, pg_collection: ProcessGroupCollection | None = None):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(TransformerLayer(config, i, pg_collection) for i in range(config.num_layers))

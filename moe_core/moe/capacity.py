@@ -1,6 +1,6 @@
 """Expert capacity and token dropping (Megatron-LM's ``get_capacity`` and ``apply_router_token_dropping``).
 
-Legend: N tokens, E experts, K = moe_router_topk, C capacity (rows an expert may take).
+Legend (docs/design.md): T tokens, E experts, K = moe_router_topk, C capacity (rows an expert may take).
 
 With ``moe_expert_capacity_factor`` set, each expert keeps at most C of the tokens routed to it and the rest
 are dropped (their prob becomes 0 and their routing_map entry False): GShard / Switch Transformer's capacity.
@@ -23,7 +23,7 @@ def get_capacity(num_tokens: int, num_experts: int, capacity_factor: float, topk
     product in the same order so the rounding matches. ``topk=1`` gives Megatron's own signature.
 
     Args:
-        num_tokens: tokens N (or routed rows N * K with the default ``topk=1``), >= 0.
+        num_tokens: tokens T (or routed rows T * K with the default ``topk=1``), >= 0.
         num_experts: E, > 0.
         capacity_factor: > 0; 1.0 is exactly the balanced share.
         topk: experts per token K, > 0.
@@ -50,16 +50,16 @@ def apply_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, capacit
     """Keep at most ``capacity`` tokens per expert (Megatron's ``apply_router_token_dropping``).
 
     Args:
-        probs: ``[N, E]`` float, 0 where not routed. Differentiable: kept entries pass their gradient.
-        routing_map: ``[N, E]`` bool, True where token n is routed to expert e.
+        probs: ``[T, E]`` float, 0 where not routed. Differentiable: kept entries pass their gradient.
+        routing_map: ``[T, E]`` bool, True where token t is routed to expert e.
         capacity: C >= 0, rows kept per expert.
         drop_policy: ``"probs"`` keeps each expert's C highest-prob tokens (ties in any order),
-            ``"position"`` its C earliest tokens (lowest n).
-        pad_to_capacity: return a map with exactly ``min(C, N)`` entries per expert (drop_and_pad, for
+            ``"position"`` its C earliest tokens (lowest t).
+        pad_to_capacity: return a map with exactly ``min(C, T)`` entries per expert (drop_and_pad, for
             static shapes): the kept routed tokens, then unrouted tokens as padding. Padding entries have
             prob 0, so they add nothing to the output.
     Returns:
-        ``(probs [N, E], routing_map [N, E] bool)``: dropped entries are exactly 0 / False.
+        ``(probs [T, E], routing_map [T, E] bool)``: dropped entries are exactly 0 / False.
     Raises:
         ValueError: unknown ``drop_policy``, negative ``capacity`` or mismatched shapes.
         TypeError: ``routing_map`` is not bool.
@@ -70,7 +70,7 @@ def apply_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, capacit
         raise TypeError(f"routing_map: expected torch.bool, got {routing_map.dtype}")
     if routing_map.dim() != 2 or probs.shape != routing_map.shape:
         raise ValueError(
-            f"probs / routing_map: expected the same [N, E] shape, got {tuple(probs.shape)} and "
+            f"probs / routing_map: expected the same [T, E] shape, got {tuple(probs.shape)} and "
             f"{tuple(routing_map.shape)}"
         )
     if capacity < 0:
@@ -79,14 +79,14 @@ def apply_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, capacit
     # Rank every (token, expert) entry so that routed entries beat unrouted ones; topk over tokens then
     # keeps the best C routed tokens, and with padding fills the remaining slots with unrouted tokens.
     if drop_policy == "probs":
-        score_NE = torch.where(routing_map, probs.detach().float(), -1.0)
+        score_TE = torch.where(routing_map, probs.detach().float(), -1.0)
     else:
-        position_N1 = torch.arange(num_tokens, device=probs.device, dtype=torch.float32)[:, None]
-        score_NE = torch.where(routing_map, -position_N1, -2.0 * num_tokens - 1.0)
-    kept_idx_CE = score_NE.topk(min(capacity, num_tokens), dim=0).indices
-    capacity_mask_NE = torch.zeros_like(routing_map).scatter_(0, kept_idx_CE, True)
-    kept_NE = routing_map & capacity_mask_NE
-    return probs * kept_NE, (capacity_mask_NE if pad_to_capacity else kept_NE)
+        position_T1 = torch.arange(num_tokens, device=probs.device, dtype=torch.float32)[:, None]
+        score_TE = torch.where(routing_map, -position_T1, -2.0 * num_tokens - 1.0)
+    kept_idx_CE = score_TE.topk(min(capacity, num_tokens), dim=0).indices
+    capacity_mask_TE = torch.zeros_like(routing_map).scatter_(0, kept_idx_CE, True)
+    kept_TE = routing_map & capacity_mask_TE
+    return probs * kept_TE, (capacity_mask_TE if pad_to_capacity else kept_TE)
 
 
 __all__ = ["DROP_POLICIES", "get_capacity", "apply_token_dropping"]

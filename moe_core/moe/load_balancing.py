@@ -1,6 +1,6 @@
 """Router losses (load balancing, z-loss) and the autograd scaler that feeds them into backward.
 
-Legend: T tokens, B sequences, S tokens per sequence, E experts, K = moe_router_topk.
+Legend (docs/design.md): T tokens, B sequences, S tokens per sequence, E experts, K = moe_router_topk.
 
 Every loss here is raw, without its coefficient: the router multiplies by ``moe_aux_loss_coeff`` /
 ``moe_z_loss_coeff`` in the graph and logs the raw value (Megatron logs ``aux_loss / coeff`` too), so a

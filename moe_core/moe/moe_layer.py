@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from moe_core.config import TransformerConfig
+from moe_core.moe.dispatcher_factory import build_token_dispatcher
 from moe_core.moe.experts import GroupedMLP, SequentialMLP
 from moe_core.moe.router import TopKRouter
 from moe_core.moe.shared_experts import SharedExpertMLP
-from moe_core.moe.token_dispatcher import build_token_dispatcher
+from moe_core.parallel.process_groups import ProcessGroupCollection, check_ep_size
 
 
 class MoELayer(nn.Module):
@@ -27,18 +28,19 @@ class MoELayer(nn.Module):
             ``moe_token_dispatcher_type`` picks the EP dispatcher (``build_token_dispatcher``). The router's
             global aux loss sums its counts over ``pg_collection.dp``.
     Raises:
-        ValueError: ``num_moe_experts`` is None or not divisible by the EP size.
+        ValueError: ``num_moe_experts`` is None or not divisible by the EP size, or the EP size of
+            ``pg_collection`` (1 for None) differs from ``config.expert_model_parallel_size``.
 
     Attributes: ``router``, ``token_dispatcher``, ``experts`` (this rank's ``num_local_experts``),
     ``shared_experts`` (or None).
     """
 
-    def __init__(self, config: TransformerConfig, pg_collection=None):
+    def __init__(self, config: TransformerConfig, pg_collection: ProcessGroupCollection | None = None):
         super().__init__()
         if config.num_moe_experts is None:
             raise ValueError("config.num_moe_experts: MoELayer needs experts, got None")
         self.config = config
-        ep_size = 1 if pg_collection is None else pg_collection.ep_size
+        ep_size = check_ep_size(config.expert_model_parallel_size, pg_collection)
         if config.num_moe_experts % ep_size:
             raise ValueError(f"num_moe_experts ({config.num_moe_experts}) must be divisible by the EP size ({ep_size})")
         self.num_local_experts = config.num_moe_experts // ep_size

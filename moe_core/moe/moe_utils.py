@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.capacity import apply_token_dropping, get_capacity
 from moe_core.ops.permute import permute_rows, unpermute_rows
 
 
@@ -170,4 +169,4 @@ def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch
         raise ValueError(f"probs: expected {tuple(routing_map.shape)} like routing_map, got {tuple(probs.shape)}")
 
 
-__all__ = ["get_capacity", "apply_token_dropping", "RowMap", "build_row_map", "permute", "unpermute"]
+__all__ = ["RowMap", "build_row_map", "permute", "unpermute"]

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from moe_core.config import TransformerConfig
-from moe_core.moe.moe_utils import RowMap, get_capacity, permute, unpermute
+from moe_core.moe.capacity import get_capacity
+from moe_core.moe.moe_utils import RowMap, permute, unpermute
 
 
 class MoETokenDispatcher(abc.ABC):
@@ -167,28 +168,7 @@ def check_local_experts(num_local_experts: int, local_expert_indices, num_expert
         )
 
 
-def build_token_dispatcher(config: TransformerConfig, pg_collection=None) -> MoETokenDispatcher:
-    """The single-rank dispatcher when EP size is 1, else the one named by ``config.moe_token_dispatcher_type``.
-
-    Args:
-        config: num_moe_experts, moe_token_dispatcher_type, capacity fields.
-        pg_collection: ``moe_core.parallel.ProcessGroupCollection``; None: one rank holds every expert.
-    """
-    ep_size = 1 if pg_collection is None else pg_collection.ep_size
-    if ep_size == 1:
-        return MoELocalTokenDispatcher(config)
-    # Imported here: the EP dispatchers subclass MoETokenDispatcher from this module.
-    from moe_core.moe.token_dispatcher_allgather import MoEAllGatherTokenDispatcher
-    from moe_core.moe.token_dispatcher_alltoall import MoEAlltoAllTokenDispatcher
-
-    cls = {"alltoall": MoEAlltoAllTokenDispatcher, "allgather": MoEAllGatherTokenDispatcher}[
-        config.moe_token_dispatcher_type
-    ]
-    return cls(config.num_moe_experts // ep_size, pg_collection.local_expert_indices(config.num_moe_experts),
-               config, pg_collection)
-
-
 __all__ = [
     "MoETokenDispatcher", "MoELocalTokenDispatcher", "LocalDispatchMeta", "ExpertParallelTokenDispatcher",
-    "check_dispatch_inputs", "check_local_experts", "build_token_dispatcher",
+    "check_dispatch_inputs", "check_local_experts",
 ]

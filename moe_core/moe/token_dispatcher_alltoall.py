@@ -1,13 +1,13 @@
 """All-to-all token dispatcher for expert parallelism (Megatron-LM's ``MoEAlltoAllTokenDispatcher``).
 
-N local tokens, H hidden, E experts, L = E / ep local experts, R_s rows this rank sends (N * topk before
-dropping), R rows this rank's experts receive.
+Legend (docs/design.md): T this rank's tokens, H hidden, E experts, L = E / ep local experts, K topk,
+R_s rows this rank sends (T * K before dropping), R rows this rank's experts receive, C capacity.
 
-dispatch:  permute [N, H] -> [R_s, H] grouped by global expert (so by destination EP rank)
+dispatch:  permute [T, H] -> [R_s, H] grouped by global expert (so by destination EP rank)
            exchange the per-expert counts (all-to-all of E ints)
            all_to_all with split sizes                       -> [R, H] grouped by (source rank, local expert)
            sort chunks by local expert                       -> [R, H] grouped by (local expert, source rank)
-combine:   the mirror image: unsort -> reverse all_to_all -> unpermute (scatter-add) -> [N, H]
+combine:   the mirror image: unsort -> reverse all_to_all -> unpermute (gather-sum) -> [T, H]
 
 Every rank issues the same collectives in the same order whatever the routing: one count exchange, one
 all-to-all for the hidden rows and one for the probs in dispatch, one all-to-all in combine, and the
@@ -22,9 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_core.config import TransformerConfig
 from moe_core.moe.moe_utils import RowMap, permute, unpermute
 from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
 from moe_core.parallel.collectives import all_to_all
+from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
     Arguments and errors: see ``ExpertParallelTokenDispatcher``.
     """
 
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config, pg_collection=None):
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: TransformerConfig,
+                 pg_collection: ProcessGroupCollection | None = None):
         super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
         # Received chunks are source-major; experts want them expert-major.
         ep, num_local = self.ep_size, num_local_experts
@@ -68,10 +71,10 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         self._unsort_order = [e * ep + s for s in range(ep) for e in range(num_local)]
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-        """Route ``hidden`` [N, H] to the experts' ranks.
+        """Route ``hidden`` [T, H] to the experts' ranks.
 
         Args:
-            hidden: ``[N, H]``; probs: ``[N, E]`` float32 (0 where not routed); routing_map: ``[N, E]`` bool.
+            hidden: ``[T, H]``; probs: ``[T, E]`` float32 (0 where not routed); routing_map: ``[T, E]`` bool.
         Returns:
             ``(permuted_hidden [R, H], tokens_per_expert [L] int64 on hidden's device, permuted_probs [R]
             float32, meta)``, rows grouped by local expert, then source rank, then token index.
@@ -82,54 +85,56 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         num_tokens = hidden.shape[0]
         capacity = self.capacity(num_tokens)
         num_out_tokens = self.num_out_tokens(num_tokens)
-        permuted, permuted_probs, row_map = permute(
+        sent, sent_probs, row_map = permute(  # [R_s, H], [R_s], RowMap
             hidden, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad,
             num_slots=None if self.drop_and_pad else self.topk,
         )
         if self.drop_and_pad:
-            return self._dispatch_padded(permuted, permuted_probs, row_map, capacity)
+            return self._dispatch_padded(sent, sent_probs, row_map, capacity)
 
-        tokens_per_expert_local = routing_map.sum(dim=0)  # [E] rows this rank sends to each expert
+        sent_per_expert_E = routing_map.sum(dim=0).to(torch.int64)  # rows this rank sends to each expert
         if self.ep_size == 1:
             meta = AlltoAllDispatchMeta(row_map, (), (), None, None)
-            return permuted, tokens_per_expert_local.to(torch.int64), permuted_probs.float(), meta
+            return sent, sent_per_expert_E, sent_probs.float(), meta
 
-        # counts[s * L + e]: rows source rank s sends to local expert e.
-        counts = all_to_all(tokens_per_expert_local.to(torch.int64), [self.num_local_experts] * self.ep_size,
-                            [self.num_local_experts] * self.ep_size, self.ep_group)
-        tokens_per_expert = counts.view(self.ep_size, self.num_local_experts).sum(dim=0)
+        # received_per_chunk[s * L + e]: rows source rank s sends to local expert e.
+        received_per_chunk = all_to_all(sent_per_expert_E, [self.num_local_experts] * self.ep_size,
+                                        [self.num_local_experts] * self.ep_size, self.ep_group)
+        tokens_per_expert_L = received_per_chunk.view(self.ep_size, self.num_local_experts).sum(dim=0)
         input_splits, chunk_sizes = _split_sizes_to_host(
-            tokens_per_expert_local.view(self.ep_size, self.num_local_experts).sum(dim=1), counts
+            sent_per_expert_E.view(self.ep_size, self.num_local_experts).sum(dim=1), received_per_chunk
         )
         output_splits = [sum(chunk_sizes[s * self.num_local_experts:(s + 1) * self.num_local_experts])
                          for s in range(self.ep_size)]
-        received = all_to_all(permuted, output_splits, input_splits, self.ep_group)
-        received_probs = all_to_all(permuted_probs.float(), output_splits, input_splits, self.ep_group)
+        received_RH = all_to_all(sent, output_splits, input_splits, self.ep_group)
+        received_probs_R = all_to_all(sent_probs.float(), output_splits, input_splits, self.ep_group)
         if self.num_local_experts > 1:
-            received = sort_chunks_by_idxs(received, chunk_sizes, self._sort_order)
-            received_probs = sort_chunks_by_idxs(received_probs, chunk_sizes, self._sort_order)
-        meta = AlltoAllDispatchMeta(row_map, tuple(input_splits), tuple(output_splits), tuple(chunk_sizes), None)
-        return received, tokens_per_expert, received_probs, meta
+            received_RH = sort_chunks_by_idxs(received_RH, chunk_sizes, self._sort_order)
+            received_probs_R = sort_chunks_by_idxs(received_probs_R, chunk_sizes, self._sort_order)
+        meta = AlltoAllDispatchMeta(
+            row_map, tuple(input_splits), tuple(output_splits), tuple(chunk_sizes), None
+        )
+        return received_RH, tokens_per_expert_L, received_probs_R, meta
 
-    def _dispatch_padded(self, permuted, permuted_probs, row_map, capacity):
-        # Static shapes: every (rank, expert) pair exchanges exactly `capacity` rows.
+    def _dispatch_padded(self, sent, sent_probs, row_map, capacity):
+        # Static shapes: every (rank, expert) pair exchanges exactly C = `capacity` rows; R = ep * L * C.
         ep, num_local = self.ep_size, self.num_local_experts
         splits = [num_local * capacity] * ep
-        received = all_to_all(permuted, splits, splits, self.ep_group)
-        received_probs = all_to_all(permuted_probs.float(), splits, splits, self.ep_group)
-        hidden_size = permuted.shape[-1]
-        received = received.view(ep, num_local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
-        received_probs = received_probs.view(ep, num_local, capacity).transpose(0, 1).reshape(-1)
-        tokens_per_expert = torch.full((num_local,), ep * capacity, dtype=torch.int64, device=permuted.device)
+        received = all_to_all(sent, splits, splits, self.ep_group)  # [ep * L * C, H], source rank major
+        received_probs = all_to_all(sent_probs.float(), splits, splits, self.ep_group)
+        hidden_size = sent.shape[-1]
+        received_RH = received.view(ep, num_local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
+        received_probs_R = received_probs.view(ep, num_local, capacity).transpose(0, 1).reshape(-1)
+        tokens_per_expert_L = torch.full((num_local,), ep * capacity, dtype=torch.int64, device=sent.device)
         meta = AlltoAllDispatchMeta(row_map, tuple(splits), tuple(splits), None, capacity)
-        return received, tokens_per_expert, received_probs, meta
+        return received_RH, tokens_per_expert_L, received_probs_R, meta
 
     def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
-        """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[N, H]``.
+        """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[T, H]``.
 
         Probs were applied inside the experts, so this is a pure sum over each token's rows.
         """
-        out = expert_output
+        out = expert_output  # [R, H], then [R_s, H] once back on this rank
         if self.ep_size > 1:
             if meta.capacity is not None:
                 ep, num_local, hidden_size = self.ep_size, self.num_local_experts, out.shape[-1]

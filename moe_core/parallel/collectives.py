@@ -112,7 +112,7 @@ class _ReduceScatter(torch.autograd.Function):
 
 
 def all_gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``[N, ...]`` on each rank -> ``[size * N, ...]`` in rank order; every rank must pass the same shape.
+    """``[rows, ...]`` on each rank -> ``[size * rows, ...]`` in rank order; every rank must pass the same shape.
 
     Differentiable for floating tensors (backward: sum reduce-scatter). Bool tensors travel as uint8.
     """
@@ -124,7 +124,7 @@ def all_gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> to
 
 
 def reduce_scatter_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum ``[size * N, ...]`` over the ranks and keep this rank's ``[N, ...]`` block. Differentiable.
+    """Sum ``[size * rows, ...]`` over the ranks and keep this rank's ``[rows, ...]`` block. Differentiable.
 
     Raises:
         ValueError: ``x.shape[0]`` is not a multiple of the group size.

@@ -15,9 +15,11 @@ import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 
 from moe_core.parallel.fsdp import wrap_per_block
+from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
-def apply_ddp(model: nn.Module, pg_collection, *, blocks: Iterable[nn.Module] | None = None) -> nn.Module:
+def apply_ddp(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks: Iterable[nn.Module] | None = None
+              ) -> nn.Module:
     """Replicate ``model`` in place for EP training (Megatron's default DDP).
 
     Parameters become DTensors with a ``Replicate`` placement; after backward each gradient is the sum over

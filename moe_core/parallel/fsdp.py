@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from moe_core.parallel.process_groups import ProcessGroupCollection
+
 
 def find_expert_modules(model: nn.Module) -> list[nn.Module]:
     """Submodules registered under the attribute name ``experts`` (``MoELayer.experts``), outermost first."""
@@ -55,7 +57,7 @@ def split_expert_params(model: nn.Module, expert_modules: Iterable[nn.Module] | 
     return dense, expert
 
 
-def wrap_per_block(model: nn.Module, pg_collection, wrap: Callable[..., nn.Module], *,
+def wrap_per_block(model: nn.Module, pg_collection: ProcessGroupCollection, wrap: Callable[..., nn.Module], *,
                    blocks: Iterable[nn.Module] | None = None, **wrap_kwargs) -> nn.Module:
     """Apply ``wrap`` (``fully_shard`` or FSDP2's ``replicate``) per block: experts on the expert-DP mesh,
     the block on the DP mesh, then the root; set sum reduction on every resulting module."""
@@ -72,13 +74,13 @@ def wrap_per_block(model: nn.Module, pg_collection, wrap: Callable[..., nn.Modul
     return model
 
 
-def apply_fsdp2(model: nn.Module, pg_collection, *, blocks: Iterable[nn.Module] | None = None,
+def apply_fsdp2(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks: Iterable[nn.Module] | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` in place with FSDP2 for EP training (Megatron's ``--use-torch-fsdp2``).
 
     Args:
         model: contains transformer blocks (``find_blocks``) whose MoE layers hold ``experts`` modules.
-        pg_collection: ``ProcessGroupCollection``.
+        pg_collection: the process groups (``dp_mesh``, ``expt_dp_mesh``).
         blocks: override ``find_blocks(model)``.
         mp_policy: FSDP2 mixed precision (e.g. bf16 params, fp32 reduce); default full precision.
         reshard_after_forward: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2).

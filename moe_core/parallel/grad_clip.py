@@ -13,6 +13,10 @@ by ``1 / (number of ranks holding the same values)``, and one all-reduce over th
 In general ``replicas = world / (mesh shards of the tensor) / (ep if expert else 1)``, with mesh shards the
 product of the sizes of the mesh dims whose placement is ``Shard``. Every rank issues exactly one all-reduce
 (``max`` for the inf-norm), so a rank whose experts saw no token never skips a collective.
+
+The caller's dense / expert split decides the ``ep`` factor, and a wrapped model's gradients carry their mesh:
+a DTensor gradient must live on ``pg_collection.dp_mesh`` (dense) or ``pg_collection.expt_dp_mesh``
+(expert), so a parameter passed in the wrong list raises instead of silently changing the norm.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
 def _local_and_shards(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -36,26 +43,43 @@ def _local_and_shards(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
     return grad.to_local(), shards
 
 
+def _check_mesh(grad: torch.Tensor, mesh: DeviceMesh | None, where: str) -> None:
+    if mesh is not None and isinstance(grad, DTensor) and grad.device_mesh != mesh:
+        raise ValueError(
+            f"{where}: its gradient lives on mesh {grad.device_mesh.mesh_dim_names}, expected "
+            f"{mesh.mesh_dim_names}; pass the parameters as split_expert_params(model) splits them"
+        )
+
+
 def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Iterable[torch.nn.Parameter],
-                  pg_collection, norm_type: float = 2.0) -> torch.Tensor:
+                  pg_collection: ProcessGroupCollection | None, norm_type: float = 2.0) -> torch.Tensor:
     """Global ``norm_type``-norm of all gradients (fp32 scalar, identical on every rank).
 
     Args:
-        dense_params / expert_params: this rank's parameters (plain or DTensor); grads of ``None`` count as 0.
-        pg_collection: ``ProcessGroupCollection``, or ``None`` for one process.
+        dense_params / expert_params: this rank's parameters (plain or DTensor), split as
+            ``split_expert_params`` splits them; grads of ``None`` count as 0.
+        pg_collection: the process groups, or ``None`` for one process.
     Raises:
-        ValueError: ``norm_type`` is not positive, or a grad is still ``Partial``.
+        ValueError: ``norm_type`` is not positive, a grad is still ``Partial``, or a DTensor grad is not on the
+            mesh of its list (``dense_params[i]``: ``pg_collection.dp_mesh``, ``expert_params[i]``:
+            ``pg_collection.expt_dp_mesh``); the message names the list and index. Plain-tensor grads carry no
+            mesh and are taken as split.
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(f"norm_type: expected > 0 or inf, got {norm_type}")
     world = 1 if pg_collection is None else dist.get_world_size()
     ep = 1 if pg_collection is None else pg_collection.ep_size
+    groups = (
+        ("dense_params", dense_params, 1, None if pg_collection is None else pg_collection.dp_mesh),
+        ("expert_params", expert_params, ep, None if pg_collection is None else pg_collection.expt_dp_mesh),
+    )
     total = None
-    for params, per_rank_copies in ((dense_params, 1), (expert_params, ep)):
-        for p in params:
+    for arg, params, per_rank_copies, mesh in groups:
+        for i, p in enumerate(params):
             if p.grad is None:
                 continue
+            _check_mesh(p.grad, mesh, f"{arg}[{i}] (shape {tuple(p.shape)})")
             local, shards = _local_and_shards(p.grad)
             local = local.detach().float()
             if total is None:
@@ -74,11 +98,12 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
 
 
 def clip_grad_norm_(dense_params: Iterable[torch.nn.Parameter], expert_params: Iterable[torch.nn.Parameter],
-                    max_norm: float, pg_collection, norm_type: float = 2.0) -> torch.Tensor:
+                    max_norm: float, pg_collection: ProcessGroupCollection | None, norm_type: float = 2.0
+                    ) -> torch.Tensor:
     """Scale all gradients in place so their global norm is at most ``max_norm``; return the norm before.
 
     Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (coefficient ``max_norm / (norm + 1e-6)``
-    clamped to 1), with the norm from ``get_grad_norm``.
+    clamped to 1), with the norm from ``get_grad_norm``, whose errors it raises before scaling anything.
     """
     dense_params, expert_params = list(dense_params), list(expert_params)
     total = get_grad_norm(dense_params, expert_params, pg_collection, norm_type)
@@ -90,7 +115,7 @@ def clip_grad_norm_(dense_params: Iterable[torch.nn.Parameter], expert_params: I
     return total
 
 
-def _default_device(pg_collection) -> torch.device:
+def _default_device(pg_collection: ProcessGroupCollection | None) -> torch.device:
     if pg_collection is not None and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -70,7 +70,7 @@ class ProcessGroupCollection:
         return dist.get_world_size(self.expt_dp)
 
     def local_expert_indices(self, num_moe_experts: int) -> list[int]:
-        """Global ids of the experts this rank holds: ``ep_rank * E_local + [0, E_local)``."""
+        """Global ids of the L experts this rank holds: ``ep_rank * L + [0, L)``."""
         check_expert_split(num_moe_experts, self.ep_size)
         num_local = num_moe_experts // self.ep_size
         return list(range(self.ep_rank * num_local, (self.ep_rank + 1) * num_local))
@@ -83,6 +83,24 @@ def check_expert_split(num_moe_experts: int, expert_model_parallel_size: int) ->
             f"num_moe_experts ({num_moe_experts}) must be a positive multiple of "
             f"expert_model_parallel_size ({expert_model_parallel_size})"
         )
+
+
+def check_ep_size(expert_model_parallel_size: int, pg_collection: ProcessGroupCollection | None) -> int:
+    """The EP size of ``pg_collection`` (1 for None) once it is checked to equal the config's.
+
+    ``TransformerConfig.expert_model_parallel_size`` sizes the model (``num_local_experts``) and the groups
+    place the experts; models call this at construction so the two cannot disagree.
+
+    Raises:
+        ValueError: the sizes differ.
+    """
+    ep_size = 1 if pg_collection is None else pg_collection.ep_size
+    if ep_size != expert_model_parallel_size:
+        raise ValueError(
+            f"pg_collection: EP size {ep_size} (1 when None) differs from the config's expert_model_parallel_size "
+            f"({expert_model_parallel_size})"
+        )
+    return ep_size
 
 
 def default_device_type() -> str:
@@ -137,4 +155,6 @@ def build_process_groups(
     )
 
 
-__all__ = ["ProcessGroupCollection", "build_process_groups", "check_expert_split", "default_device_type"]
+__all__ = [
+    "ProcessGroupCollection", "build_process_groups", "check_expert_split", "check_ep_size", "default_device_type",
+]

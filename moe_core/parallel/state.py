@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from moe_core.parallel.collectives import all_gather_first_dim
 from moe_core.parallel.fsdp import find_expert_modules
+from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
 def expert_param_names(model: nn.Module) -> set[str]:
@@ -21,7 +22,8 @@ def expert_param_names(model: nn.Module) -> set[str]:
 
 
 @torch.no_grad()
-def load_full_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor], pg_collection) -> None:
+def load_full_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor],
+                         pg_collection: ProcessGroupCollection | None) -> None:
     """Load a single-process state dict into an unwrapped EP model: expert tensors take this rank's rows.
 
     Call before ``apply_fsdp2`` / ``apply_ddp``. Raises ``ValueError`` when an expert tensor's first
@@ -43,7 +45,7 @@ def load_full_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor], 
 
 
 @torch.no_grad()
-def gather_full_state_dict(model: nn.Module, pg_collection) -> dict[str, torch.Tensor]:
+def gather_full_state_dict(model: nn.Module, pg_collection: ProcessGroupCollection | None) -> dict[str, torch.Tensor]:
     """The single-process parameters of a (wrapped) EP model, full tensors on every rank. Collective.
 
     DTensors (FSDP2 shards, replicate) become full tensors; expert tensors are gathered over EP.

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from moe_core.parallel.collectives import all_gather_first_dim
+from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.parallel.state import expert_param_names
 
 _OPTIONS = StateDictOptions(full_state_dict=True)
@@ -38,7 +39,8 @@ def _expert_tensors(model_sd: dict, optim_sd: dict, experts: set[str]):
                 yield per_param, key
 
 
-def _full_state(model, optimizer, pg_collection) -> tuple[dict, dict]:
+def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                pg_collection: ProcessGroupCollection | None) -> tuple[dict, dict]:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     if pg_collection is not None and pg_collection.ep_size > 1:
         for sd, key in _expert_tensors(model_sd, optim_sd, expert_param_names(model)):
@@ -46,7 +48,8 @@ def _full_state(model, optimizer, pg_collection) -> tuple[dict, dict]:
     return model_sd, optim_sd
 
 
-def _keep_local_experts(model_sd: dict, optim_sd: dict, experts: set[str], pg_collection) -> None:
+def _keep_local_experts(model_sd: dict, optim_sd: dict, experts: set[str], pg_collection: ProcessGroupCollection
+                        ) -> None:
     size, rank = pg_collection.ep_size, pg_collection.ep_rank
     for sd, key in _expert_tensors(model_sd, optim_sd, experts):
         rows = sd[key].shape[0] // size
@@ -66,8 +69,8 @@ def _rng_state() -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, step: int, pg_collection=None, *,
-                    seed: int) -> None:
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, step: int,
+                    pg_collection: ProcessGroupCollection | None = None, *, seed: int) -> None:
     """Write model, optimizer, scheduler, ``step`` (optimizer steps done), the data ``seed`` and this rank's
     RNG states to the directory ``path``. Collective over all ranks."""
     model_sd, optim_sd = _full_state(model, optimizer, pg_collection)
@@ -76,8 +79,8 @@ def save_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, pg_collection=None, *,
-                    seed: int | None = None) -> int:
+                    scheduler: torch.optim.lr_scheduler.LRScheduler,
+                    pg_collection: ProcessGroupCollection | None = None, *, seed: int | None = None) -> int:
     """Restore what ``save_checkpoint`` wrote (in any layout) into the given objects and this rank's RNG
     states; returns the step.
 

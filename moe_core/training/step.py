@@ -112,12 +112,9 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
     """Build the model (``build_model``), AdamW and the LR schedule, and set each router's aux-loss scale.
 
     Raises:
-        ValueError: the process groups' EP size differs from ``model_config.expert_model_parallel_size``.
+        ValueError: the process groups' EP size differs from ``model_config.expert_model_parallel_size``
+            (``GPTModel`` checks it).
     """
-    ep_size = 1 if pg_collection is None else pg_collection.ep_size
-    if ep_size != model_config.expert_model_parallel_size:
-        raise ValueError(f"pg_collection: EP size {ep_size} differs from the config's expert_model_parallel_size "
-                         f"({model_config.expert_model_parallel_size})")
     device = training_device(pg_collection)
     model = build_model(model_config, cfg, device, pg_collection)
     if cfg.compile:

@@ -2,6 +2,7 @@
 init scales, layer patterns, parameter / FLOP counts, gradients and a training signal."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ from moe_core.models.attention import SelfAttention
 from moe_core.models.gpt import GPTModel
 from moe_core.models.rope import apply_rope, rope_cos_sin
 from moe_core.moe.moe_layer import MoELayer
+from moe_core.training.config import TrainingConfig
+from moe_core.training.step import setup_training
 
 VOCAB, HIDDEN, SEQ = 64, 32, 16
 
@@ -96,6 +99,41 @@ def test_attention_matches_repeated_kv_reference(groups, qk_layernorm, bias):
     x = torch.randn(2, 9, HIDDEN, dtype=torch.float64)
     out = attn(x, rope_cos_sin(9, 6, cfg.rotary_base, x.device))
     torch.testing.assert_close(out, _reference_attention(attn, x, cfg.rotary_base), rtol=1e-10, atol=1e-10)
+
+
+
+def test_loss_is_its_own_tensor_and_may_be_masked_in_place():
+    """The per-token loss is not a view (FSDP2 drops its backward hook on an in-place op on a returned view):
+    masking it in place gives the gradient of the masked loss. The multi-rank FSDP2 case is in
+    tests/parallel/test_gpt_ep.py."""
+    torch.manual_seed(0)
+    model = GPTModel(tiny_config()).double()
+    ids, labels = torch.randint(0, VOCAB, (2, SEQ)), torch.randint(0, VOCAB, (2, SEQ))
+    loss = model(ids, labels)
+    assert loss._base is None and loss.is_contiguous()
+    loss[:, :3] = 0
+    loss.sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    mask = torch.ones(2, SEQ, dtype=torch.float64)
+    mask[:, :3] = 0
+    (model(ids, labels) * mask).sum().backward()
+    for g, p in zip(got, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_ep_size_has_one_source():
+    """The config's expert_model_parallel_size and the process groups' EP size must agree on every path."""
+    with pytest.raises(ValueError, match=r"EP size 1 \(1 when None\) differs .* expert_model_parallel_size \(2\)"):
+        GPTModel(tiny_config(expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match=r"EP size 2 .* expert_model_parallel_size \(1\)"):
+        GPTModel(tiny_config(), SimpleNamespace(ep_size=2))
+    with pytest.raises(ValueError, match=r"EP size 2 .* expert_model_parallel_size \(1\)"):
+        GPTModel(tiny_config(num_moe_experts=None), SimpleNamespace(ep_size=2))  # dense: no MoELayer checks it
+    with pytest.raises(ValueError, match=r"EP size 1 .* expert_model_parallel_size \(2\)"):
+        MoELayer(tiny_config(expert_model_parallel_size=2))
+    with pytest.raises(ValueError, match=r"EP size 1 .* expert_model_parallel_size \(2\)"):
+        setup_training(tiny_config(expert_model_parallel_size=2), TrainingConfig(micro_batch_size=2))
 
 
 def test_rope_depends_on_relative_position_only():

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from moe_core.config import TransformerConfig
-from moe_core.moe.moe_utils import apply_token_dropping, get_capacity, permute, unpermute
-from moe_core.moe.token_dispatcher import MoELocalTokenDispatcher, MoETokenDispatcher, build_token_dispatcher
+from moe_core.moe.capacity import apply_token_dropping, get_capacity
+from moe_core.moe.dispatcher_factory import build_token_dispatcher
+from moe_core.moe.moe_utils import permute, unpermute
+from moe_core.moe.token_dispatcher import MoELocalTokenDispatcher, MoETokenDispatcher
 
 
 def make_config(**kw) -> TransformerConfig:

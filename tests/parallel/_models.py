@@ -15,11 +15,8 @@ import torch
 import torch.nn as nn
 
 from moe_core.config import TransformerConfig
-from moe_core.moe.moe_utils import apply_token_dropping, get_capacity
-from moe_core.moe.token_dispatcher_allgather import MoEAllGatherTokenDispatcher
-from moe_core.moe.token_dispatcher_alltoall import MoEAlltoAllTokenDispatcher
-
-DISPATCHERS = {"alltoall": MoEAlltoAllTokenDispatcher, "allgather": MoEAllGatherTokenDispatcher}
+from moe_core.moe.capacity import apply_token_dropping, get_capacity
+from moe_core.moe.dispatcher_factory import EP_DISPATCHERS as DISPATCHERS
 
 GLOBAL_TOKENS = 24
 NUM_EXPERTS = 8

@@ -7,6 +7,8 @@ global token-mean loss, global-norm clipping (active), two AdamW steps. Routings
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
-from moe_core.parallel.fsdp import split_expert_params
+from moe_core.moe.moe_layer import MoELayer
+from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
 from moe_core.parallel.grad_clip import clip_grad_norm_
 from moe_core.parallel.launch import rank_slice
 from moe_core.parallel.loss import global_token_count, reduce_loss_for_logging, token_mean_loss
@@ -116,3 +119,52 @@ def test_gpt_training_matches_single_process(wrapper, world, ep, dispatcher, rou
     for name, value in results[0]["replicated"].items():
         for r in range(1, world):
             assert torch.equal(results[r]["replicated"][name], value), f"{name} differs on rank {r}"
+
+
+def _masked_loss_under_fsdp2() -> dict:
+    world, dev = dist.get_world_size(), device()
+    pg = groups(2, NUM_EXPERTS)
+    torch.manual_seed(0)
+    ref = GPTModel(gpt_config("alltoall")).to(dev)
+    model = GPTModel(gpt_config("alltoall", 2), pg).to(dev)
+    model.load_state_dict(ep_state(ref.state_dict(), pg.ep_rank, NUM_EXPERTS // 2))
+    apply_fsdp2(model, pg)
+    global_batch = BATCH_PER_RANK * world
+    tokens = torch.randint(0, 32, (global_batch, 9), generator=torch.Generator().manual_seed(7)).to(dev)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(inputs[rank_slice(global_batch, pg)], labels[rank_slice(global_batch, pg)])
+    views = [str(w.message) for w in caught if "returned a view tensor" in str(w.message)]
+    assert not views, views
+    loss[:, :3] = 0  # in place on the module's output
+    loss.sum().backward()
+    mask = torch.ones(global_batch, 8, device=dev)
+    mask[:, :3] = 0
+    (ref(inputs, labels) * mask).sum().backward()
+    grads, missing = _gather(model, pg, grads=True)
+    assert not missing, f"parameters without a gradient: {missing}"
+    stats: dict = {}
+    for name, p in ref.named_parameters():
+        compare(f"grad {name}", grads[name], p.grad, stats)
+    return stats
+
+
+def test_per_token_loss_masked_in_place_under_fsdp2():
+    """GPTModel's per-token loss is its own tensor: FSDP2 does not warn about a returned view, and an in-place
+    mask on it gives the gradient of the masked loss (world 2, EP 2, against one process)."""
+    stats = run_distributed(2, _masked_loss_under_fsdp2)
+    print(f"masked loss under FSDP2: {stats[0]}")
+
+
+def _ep_size_mismatch() -> None:
+    pg = groups(2, NUM_EXPERTS)
+    for build in (GPTModel, MoELayer):
+        with pytest.raises(ValueError, match=r"EP size 2 .* expert_model_parallel_size \(1\)"):
+            build(gpt_config("alltoall", 1), pg)
+        with pytest.raises(ValueError, match=r"EP size 1 .* expert_model_parallel_size \(2\)"):
+            build(gpt_config("alltoall", 2), None)
+
+
+def test_ep_size_mismatch_raises_at_construction():
+    run_distributed(2, _ep_size_mismatch)

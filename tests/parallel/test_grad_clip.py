@@ -3,12 +3,14 @@ single-process norm for p = 1, 2, inf, under DDP and FSDP2 and every DP x EP lay
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from moe_core.parallel.fsdp import split_expert_params
-from moe_core.parallel.grad_clip import get_grad_norm
+from moe_core.parallel.grad_clip import clip_grad_norm_, get_grad_norm
 from moe_core.parallel.loss import global_token_count, token_mean_loss
 from tests.parallel._common import compare, groups
 from tests.parallel._launch import device, run_distributed
@@ -55,6 +57,15 @@ def _norms(wrapper: str, ep: int) -> dict:
     # Without the expert parameters the norm must differ: the experts carry part of it.
     partial = get_grad_norm(dense, [], pg)
     assert float(partial) < float(torch.nn.utils.get_total_norm(ref_grads)) * (1 - 1e-3)
+    # A wrong split raises, naming the misplaced parameter, before any gradient is scaled.
+    before = [p.grad.to_local().clone() for p in dense + expert]
+    first_expert = f"dense_params[{len(dense)}] (shape {tuple(expert[0].shape)})"
+    with pytest.raises(ValueError, match=re.escape(first_expert) + r".*mesh \('expt_dp',\), expected \('dp',\)"):
+        clip_grad_norm_(dense + expert, [], 1e-3, pg)
+    with pytest.raises(ValueError, match=r"expert_params\[0\] .*mesh \('dp',\), expected \('expt_dp',\)"):
+        clip_grad_norm_([], dense + expert, 1e-3, pg)
+    for b, p in zip(before, dense + expert, strict=True):
+        assert torch.equal(b, p.grad.to_local())
     return stats
 
 
