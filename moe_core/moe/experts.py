@@ -1,6 +1,7 @@
 """Expert MLPs: ``GroupedMLP`` (one grouped GEMM per linear) and ``SequentialMLP`` (per-expert loop, reference).
 
-Legend: R routed rows on this rank (expert-major), H hidden, F expert ffn width, E local experts.
+Legend (docs/design.md): R routed rows on this rank (expert-major), H hidden, F expert ffn width, E local
+experts.
 
 Both follow Megatron's expert contract ``forward(permuted_local_hidden_states [R, H], tokens_per_expert [E],
 permuted_probs [R]) -> (output [R, H], None)`` and compute, per row of expert e with prob p,

@@ -1,6 +1,6 @@
 """MoELayer (Megatron's ``MoELayer``): router -> dispatch -> experts -> combine (+ shared expert).
 
-Legend: B batch, S sequence, N = B * S tokens, H hidden, E experts, R routed rows on this rank.
+Legend (docs/design.md): B batch, S sequence, T = B * S tokens, H hidden, E experts, R routed rows on this rank.
 """
 
 from __future__ import annotations
@@ -51,22 +51,22 @@ class MoELayer(nn.Module):
         self.shared_experts = SharedExpertMLP(config) if config.moe_shared_expert_intermediate_size else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[B, S, H]`` (or ``[N, H]``, or any ``[..., H]``) -> the same shape and dtype.
+        """``hidden`` ``[B, S, H]`` (or ``[T, H]``, or any ``[..., H]``) -> the same shape and dtype.
 
         Raises:
             ValueError: the last dimension is not ``hidden_size``.
         """
         if hidden.dim() < 1 or hidden.shape[-1] != self.config.hidden_size:
             raise ValueError(f"hidden: expected [..., {self.config.hidden_size}], got {tuple(hidden.shape)}")
-        hidden_NH = hidden.reshape(-1, hidden.shape[-1])
+        hidden_TH = hidden.reshape(-1, hidden.shape[-1])
         # The router takes [B, S, H] as is: its sequence aux loss needs the sequence boundaries.
-        probs, routing_map = self.router(hidden if hidden.dim() == 3 else hidden_NH)
+        probs, routing_map = self.router(hidden if hidden.dim() == 3 else hidden_TH)
         permuted, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(
-            hidden_NH, probs, routing_map)
+            hidden_TH, probs, routing_map)
         expert_output, _ = self.experts(permuted, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.combine(expert_output, meta)
         if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_NH)
+            output = output + self.shared_experts(hidden_TH)
         return output.view(hidden.shape)
 
 __all__ = ["MoELayer"]

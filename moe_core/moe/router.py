@@ -1,6 +1,7 @@
 """TopKRouter: scores, top-k selection, load-balancing losses, expert bias and capacity dropping.
 
-Legend: B batch, S sequence, N = B * S tokens, H hidden, E experts, K = moe_router_topk, G expert groups.
+Legend (docs/design.md): B batch, S sequence, T = B * S tokens, H hidden, E experts, K = moe_router_topk,
+G expert groups.
 
 Follows Megatron-LM's ``TopKRouter`` and ``topk_routing_with_score_function`` (megatron/core/transformer/moe/
 router.py, moe_utils.py): softmax (top-k then softmax, or pre-softmax) or sigmoid scores, group-limited
@@ -31,7 +32,7 @@ _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, None: None}
 _FP32_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert", "global_num_tokens")
 
 
-def topk_indices(scores_NE: torch.Tensor, topk: int, num_groups: int | None = None,
+def topk_indices(scores_TE: torch.Tensor, topk: int, num_groups: int | None = None,
                  group_topk: int | None = None) -> torch.Tensor:
     """Each token's K best experts; group-limited when ``num_groups`` is given (DeepSeek-V2/V3).
 
@@ -40,21 +41,21 @@ def topk_indices(scores_NE: torch.Tensor, topk: int, num_groups: int | None = No
     experts inside them only (Megatron's ``group_limited_topk``).
 
     Args:
-        scores_NE: ``[N, E]`` selection scores.
+        scores_TE: ``[T, E]`` selection scores.
         topk: K.
         num_groups / group_topk: G and the groups kept per token, or None for plain top-k.
     Returns:
-        ``[N, K]`` int64 expert indices.
+        ``[T, K]`` int64 expert indices.
     """
     if num_groups is None:
-        return scores_NE.topk(topk, dim=-1).indices
-    num_tokens = scores_NE.shape[0]
-    scores_NGX = scores_NE.view(num_tokens, num_groups, -1)
-    group_scores_NG = scores_NGX.topk(max(topk // group_topk, 1), dim=-1).values.sum(dim=-1)
-    group_idx = group_scores_NG.topk(group_topk, dim=-1).indices
-    group_mask_NG = torch.zeros_like(group_scores_NG, dtype=torch.bool).scatter(1, group_idx, True)
-    expert_mask_NE = group_mask_NG.unsqueeze(-1).expand_as(scores_NGX).reshape(num_tokens, -1)
-    return scores_NE.masked_fill(~expert_mask_NE, float("-inf")).topk(topk, dim=-1).indices
+        return scores_TE.topk(topk, dim=-1).indices
+    num_tokens = scores_TE.shape[0]
+    scores_TGX = scores_TE.view(num_tokens, num_groups, -1)
+    group_scores_TG = scores_TGX.topk(max(topk // group_topk, 1), dim=-1).values.sum(dim=-1)
+    group_idx = group_scores_TG.topk(group_topk, dim=-1).indices
+    group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter(1, group_idx, True)
+    expert_mask_TE = group_mask_TG.unsqueeze(-1).expand_as(scores_TGX).reshape(num_tokens, -1)
+    return scores_TE.masked_fill(~expert_mask_TE, float("-inf")).topk(topk, dim=-1).indices
 
 
 def _autocast_on(tensor: torch.Tensor) -> bool:
@@ -78,9 +79,9 @@ class TopKRouter(nn.Module):
     inputs are every expert's softmax score (sigmoid: normalised per token) and each token's plain top-k
     (``routing_scores_for_aux_loss``), before expert bias, group limits and dropping.
 
-    - ``aux_loss``: Switch loss ``E * sum_e f_e * P_e`` over the N tokens of this forward.
+    - ``aux_loss``: Switch loss ``E * sum_e f_e * P_e`` over the T tokens of this forward.
     - ``seq_aux_loss``: the same per sequence, averaged over sequences. Sequences come from the input's
-      shape: ``[B, S, H]`` is B sequences of S tokens (batch-first, as ``MoELayer`` passes it); ``[N, H]``
+      shape: ``[B, S, H]`` is B sequences of S tokens (batch-first, as ``MoELayer`` passes it); ``[T, H]``
       is one sequence.
     - ``global_aux_loss``: ``f_e`` from the loads of every forward since ``reset_global_aux_loss_tracker()``
       (summed over ``tp_dp_group`` when given), ``P_e`` from this forward's tokens. Megatron averages the
@@ -148,54 +149,54 @@ class TopKRouter(nn.Module):
         """Route ``hidden``.
 
         Args:
-            hidden: ``[B, S, H]`` (B sequences of S tokens, batch-first) or ``[N, H]`` (one sequence), float.
+            hidden: ``[B, S, H]`` (B sequences of S tokens, batch-first) or ``[T, H]`` (one sequence), float.
         Returns:
-            ``probs`` ``[N, E]`` float32: the weight of each selected expert, exactly 0 elsewhere (and where
-            dropped); ``routing_map`` ``[N, E]`` bool: True where token n goes to expert e. N = B * S.
+            ``probs`` ``[T, E]`` float32: the weight of each selected expert, exactly 0 elsewhere (and where
+            dropped); ``routing_map`` ``[T, E]`` bool: True where token t goes to expert e. T = B * S.
         Raises:
-            ValueError: ``hidden`` is not ``[B, S, hidden_size]`` or ``[N, hidden_size]``.
+            ValueError: ``hidden`` is not ``[B, S, hidden_size]`` or ``[T, hidden_size]``.
             TypeError: ``hidden`` is not floating point.
         """
         hidden_size = self.weight.shape[1]
         if hidden.dim() not in (2, 3) or hidden.shape[-1] != hidden_size:
             raise ValueError(
-                f"hidden: expected [B, S, {hidden_size}] or [N, {hidden_size}], got {tuple(hidden.shape)}"
+                f"hidden: expected [B, S, {hidden_size}] or [T, {hidden_size}], got {tuple(hidden.shape)}"
             )
         if not hidden.is_floating_point():
             raise TypeError(f"hidden: expected a floating dtype, got {hidden.dtype}")
         batch, seq = hidden.shape[:2] if hidden.dim() == 3 else (1, hidden.shape[0])
         with_losses = self.training and torch.is_grad_enabled()
         losses: dict[str, torch.Tensor] = {}
-        logits_NE = self._logits(hidden.reshape(-1, hidden_size))
+        logits_TE = self._logits(hidden.reshape(-1, hidden_size))
         if with_losses and self.config.moe_z_loss_coeff:
-            losses["z_loss"] = z_loss(logits_NE)
-            logits_NE = MoEAuxLossAutoScaler.apply(
-                logits_NE, losses["z_loss"] * self.config.moe_z_loss_coeff, self.aux_loss_scale
+            losses["z_loss"] = z_loss(logits_TE)
+            logits_TE = MoEAuxLossAutoScaler.apply(
+                logits_TE, losses["z_loss"] * self.config.moe_z_loss_coeff, self.aux_loss_scale
             )
-        probs_NE, routing_map_NE = self._topk_routing(logits_NE)
-        routed_NE = routing_map_NE
+        probs_TE, routing_map_TE = self._topk_routing(logits_TE)
+        routed_TE = routing_map_TE
         if self.config.moe_expert_capacity_factor is not None:
-            capacity = get_capacity(logits_NE.shape[0], self.num_experts, self.config.moe_expert_capacity_factor,
+            capacity = get_capacity(logits_TE.shape[0], self.num_experts, self.config.moe_expert_capacity_factor,
                                     self.topk)
-            probs_NE, routing_map_NE = apply_token_dropping(
-                probs_NE, routing_map_NE, capacity, self.config.moe_token_drop_policy,
+            probs_TE, routing_map_TE = apply_token_dropping(
+                probs_TE, routing_map_TE, capacity, self.config.moe_token_drop_policy,
                 self.config.moe_pad_expert_input_to_capacity,
             )
         if with_losses and self.aux_loss_coeffs:
-            balancing = self._load_balancing_losses(logits_NE, batch, seq)
+            balancing = self._load_balancing_losses(logits_TE, batch, seq)
             losses.update(balancing)
             total = sum(self.aux_loss_coeffs[kind] * loss for kind, loss in balancing.items())
-            probs_NE = MoEAuxLossAutoScaler.apply(probs_NE, total, self.aux_loss_scale)
+            probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, total, self.aux_loss_scale)
         self.aux_losses = {kind: loss.detach() for kind, loss in losses.items()}
         with torch.no_grad():
             # Padding slots of drop_and_pad are not routed rows: count kept routed rows only.
-            self.tokens_per_expert = (routed_NE & routing_map_NE).sum(dim=0).float()
+            self.tokens_per_expert = (routed_TE & routing_map_TE).sum(dim=0).float()
             if with_losses:
                 self.local_tokens_per_expert += self.tokens_per_expert
-        return probs_NE.float(), routing_map_NE
+        return probs_TE.float(), routing_map_TE
 
-    def _logits(self, hidden_NH: torch.Tensor) -> torch.Tensor:
-        """``[N, E]`` logits, computed in ``moe_router_dtype`` and returned in at least float32.
+    def _logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` logits, computed in ``moe_router_dtype`` and returned in at least float32.
 
         With ``moe_router_dtype`` set, autocast is off for the logits GEMM, so under bf16 autocast they are
         the float32 (or float64) product of the float32 inputs (Megatron's router_gating_linear); with None
@@ -203,54 +204,54 @@ class TopKRouter(nn.Module):
         """
         eps = self.config.moe_input_jitter_eps
         if self.training and eps:
-            hidden_NH = hidden_NH * torch.empty_like(hidden_NH).uniform_(1.0 - eps, 1.0 + eps)
-        dtype = self.router_dtype or hidden_NH.dtype
-        with torch.autocast(hidden_NH.device.type, enabled=self.router_dtype is None and _autocast_on(hidden_NH)):
-            logits_NE = hidden_NH.to(dtype) @ self.weight.to(dtype).t()
+            hidden_TH = hidden_TH * torch.empty_like(hidden_TH).uniform_(1.0 - eps, 1.0 + eps)
+        dtype = self.router_dtype or hidden_TH.dtype
+        with torch.autocast(hidden_TH.device.type, enabled=self.router_dtype is None and _autocast_on(hidden_TH)):
+            logits_TE = hidden_TH.to(dtype) @ self.weight.to(dtype).t()
         # Scores, top-k and losses never run in bf16, whatever the GEMM ran in (Megatron: fp32 scores).
-        return logits_NE.to(torch.promote_types(logits_NE.dtype, torch.float32))
+        return logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
 
-    def _topk_routing(self, logits_NE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(probs [N, E], routing_map [N, E] bool)`` before dropping (Megatron's
+    def _topk_routing(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs [T, E], routing_map [T, E] bool)`` before dropping (Megatron's
         ``topk_routing_with_score_function``)."""
         cfg = self.config
         if cfg.moe_router_score_function == "sigmoid":
-            scores_NE = torch.sigmoid(logits_NE)
+            scores_TE = torch.sigmoid(logits_TE)
         elif cfg.moe_router_pre_softmax:
-            scores_NE = torch.softmax(logits_NE, dim=-1)
+            scores_TE = torch.softmax(logits_TE, dim=-1)
         else:
-            scores_NE = logits_NE  # top-k on the logits, softmax over the K selected (Mixtral)
-        selection_NE = scores_NE
+            scores_TE = logits_TE  # top-k on the logits, softmax over the K selected (Mixtral)
+        selection_TE = scores_TE
         if cfg.moe_router_enable_expert_bias:
-            selection_NE = scores_NE.detach() + self.expert_bias.to(scores_NE.dtype)
-        top_idx_NK = topk_indices(selection_NE, self.topk, cfg.moe_router_num_groups, cfg.moe_router_group_topk)
-        top_NK = scores_NE.gather(1, top_idx_NK)
+            selection_TE = scores_TE.detach() + self.expert_bias.to(scores_TE.dtype)
+        top_idx_TK = topk_indices(selection_TE, self.topk, cfg.moe_router_num_groups, cfg.moe_router_group_topk)
+        top_TK = scores_TE.gather(1, top_idx_TK)
         if cfg.moe_router_score_function == "softmax" and not cfg.moe_router_pre_softmax:
-            top_NK = torch.softmax(top_NK, dim=-1)
+            top_TK = torch.softmax(top_TK, dim=-1)
         elif cfg.moe_router_score_function == "sigmoid" and self.topk > 1:
-            top_NK = top_NK / (top_NK.sum(dim=-1, keepdim=True) + 1e-20)
+            top_TK = top_TK / (top_TK.sum(dim=-1, keepdim=True) + 1e-20)
         if cfg.moe_router_topk_scaling_factor is not None:
-            top_NK = top_NK * cfg.moe_router_topk_scaling_factor
-        probs_NE = torch.zeros_like(scores_NE).scatter(1, top_idx_NK, top_NK)
-        routing_map_NE = torch.zeros_like(scores_NE, dtype=torch.bool).scatter(1, top_idx_NK, True)
-        return probs_NE, routing_map_NE
+            top_TK = top_TK * cfg.moe_router_topk_scaling_factor
+        probs_TE = torch.zeros_like(scores_TE).scatter(1, top_idx_TK, top_TK)
+        routing_map_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter(1, top_idx_TK, True)
+        return probs_TE, routing_map_TE
 
-    def _load_balancing_losses(self, logits_NE: torch.Tensor, batch: int, seq: int) -> dict[str, torch.Tensor]:
+    def _load_balancing_losses(self, logits_TE: torch.Tensor, batch: int, seq: int) -> dict[str, torch.Tensor]:
         """Raw load-balancing losses, one per type with a nonzero coefficient."""
-        scores_NE, routing_map_NE = routing_scores_for_aux_loss(logits_NE, self.config.moe_router_score_function,
+        scores_TE, routing_map_TE = routing_scores_for_aux_loss(logits_TE, self.config.moe_router_score_function,
                                                                 self.topk)
-        num_tokens = logits_NE.shape[0]
+        num_tokens = logits_TE.shape[0]
         losses: dict[str, torch.Tensor] = {}
         for kind in self.aux_loss_coeffs:
             if kind == "aux_loss":
-                losses[kind] = switch_load_balancing_loss(scores_NE, routing_map_NE.sum(dim=0), num_tokens, self.topk)
+                losses[kind] = switch_load_balancing_loss(scores_TE, routing_map_TE.sum(dim=0), num_tokens, self.topk)
             elif kind == "seq_aux_loss":
                 losses[kind] = sequence_load_balancing_loss(
-                    scores_NE.view(batch, seq, -1), routing_map_NE.view(batch, seq, -1), self.topk
+                    scores_TE.view(batch, seq, -1), routing_map_TE.view(batch, seq, -1), self.topk
                 )
             else:
-                counts_E, total = self._accumulate_global_counts(routing_map_NE.sum(dim=0), num_tokens)
-                losses[kind] = switch_load_balancing_loss(scores_NE, counts_E, total, self.topk)
+                counts_E, total = self._accumulate_global_counts(routing_map_TE.sum(dim=0), num_tokens)
+                losses[kind] = switch_load_balancing_loss(scores_TE, counts_E, total, self.topk)
         return losses
 
     @torch.no_grad()

@@ -1,12 +1,12 @@
-"""Token dispatchers: the interface, the single-rank implementation and the factory.
+"""Token dispatchers: the interface and the single-rank implementation.
 
-Legend: N tokens, H hidden, E experts, E_local experts on this rank, R rows the local experts receive.
+Legend (docs/design.md): T tokens, H hidden, E experts, L experts on this rank, R rows the local experts receive.
 
-Every dispatcher has the contract of docs/design.md: ``dispatch(hidden [N, H], probs [N, E], routing_map
-[N, E]) -> (permuted_hidden [R, H], tokens_per_expert [E_local] int64, permuted_probs [R] float32, meta)`` and
-``combine(expert_output [R, H], meta) -> [N, H]``, ``meta`` a frozen dataclass. The expert-parallel ones
+Every dispatcher has the contract of docs/design.md: ``dispatch(hidden [T, H], probs [T, E], routing_map
+[T, E]) -> (permuted_hidden [R, H], tokens_per_expert [L] int64, permuted_probs [R] float32, meta)`` and
+``combine(expert_output [R, H], meta) -> [T, H]``, ``meta`` a frozen dataclass. The expert-parallel ones
 (``MoEAlltoAllTokenDispatcher``, ``MoEAllGatherTokenDispatcher``) live in their own files,
-``token_dispatcher_alltoall.py`` and ``token_dispatcher_allgather.py``.
+``token_dispatcher_alltoall.py`` and ``token_dispatcher_allgather.py``; ``dispatcher_factory.py`` picks one.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ class MoETokenDispatcher(abc.ABC):
     @abc.abstractmethod
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-        """``hidden [N, H]``, ``probs [N, E]`` float (0 where not routed), ``routing_map [N, E]`` bool ->
-        ``(permuted_hidden [R, H], tokens_per_expert [E_local] int64 on hidden's device, permuted_probs [R]
+        """``hidden [T, H]``, ``probs [T, E]`` float (0 where not routed), ``routing_map [T, E]`` bool ->
+        ``(permuted_hidden [R, H], tokens_per_expert [L] int64 on hidden's device, permuted_probs [R]
         float32, meta)``, rows grouped by local expert."""
 
     @abc.abstractmethod
     def combine(self, expert_output: torch.Tensor, meta: Any) -> torch.Tensor:
-        """``expert_output [R, H]`` (probs already applied) -> ``[N, H]``, each token the sum of its rows."""
+        """``expert_output [R, H]`` (probs already applied) -> ``[T, H]``, each token the sum of its rows."""
 
     def capacity(self, num_tokens: int) -> int | None:
         """Rows per expert under drop_and_pad for ``num_tokens`` local tokens, else None."""
@@ -63,7 +63,7 @@ class MoETokenDispatcher(abc.ABC):
     def num_out_tokens(self, num_tokens: int) -> int | None:
         """Rows ``permute`` produces from ``num_tokens`` tokens when that is known without a host sync.
 
-        ``E * capacity`` with drop_and_pad; ``N * topk`` when nothing is dropped (the router gives every
+        ``E * capacity`` with drop_and_pad; ``T * topk`` when nothing is dropped (the router gives every
         token exactly topk experts); None when a capacity factor drops a data-dependent number of rows.
         """
         if self.drop_and_pad:
@@ -89,7 +89,7 @@ class MoELocalTokenDispatcher(MoETokenDispatcher):
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LocalDispatchMeta]:
-        """See ``MoETokenDispatcher.dispatch``; here E_local = E.
+        """See ``MoETokenDispatcher.dispatch``; here L = E.
 
         Raises:
             ValueError / TypeError: shapes or dtypes do not fit; without a capacity factor, a token with other
@@ -117,10 +117,10 @@ class MoELocalTokenDispatcher(MoETokenDispatcher):
 
 def check_dispatch_inputs(hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                           num_experts: int) -> None:
-    """Raise ``ValueError``/``TypeError`` unless hidden is ``[N, H]``, probs ``[N, E]`` float and routing_map
-    ``[N, E]`` bool."""
+    """Raise ``ValueError``/``TypeError`` unless hidden is ``[T, H]``, probs ``[T, E]`` float and routing_map
+    ``[T, E]`` bool."""
     if hidden.dim() != 2:
-        raise ValueError(f"hidden: expected [N, H], got shape {tuple(hidden.shape)}")
+        raise ValueError(f"hidden: expected [T, H], got shape {tuple(hidden.shape)}")
     expected = (hidden.shape[0], num_experts)
     if tuple(probs.shape) != expected or tuple(routing_map.shape) != expected:
         raise ValueError(
