@@ -59,7 +59,8 @@ class TrainingConfig:
     tensorboard_dir: str | None = None
     """TensorBoard event directory; None: output_dir/tensorboard."""
     bf16: bool = True
-    """bf16 autocast on CUDA (ignored on CPU, where training runs in float32)."""
+    """bf16 on CUDA: autocast, or FSDP2's MixedPrecisionPolicy under use_torch_fsdp2 (ignored on CPU, where
+    training runs in float32)."""
     use_torch_fsdp2: bool = False
     """Shard parameters with FSDP2 (fully_shard); data-parallel replication (DDP) otherwise."""
     compile: bool = False

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
@@ -42,7 +44,7 @@ class TrainingState:
         micro_batch_size: sequences per forward. num_micro_batches: forwards per step on this rank.
         tokens_per_step: tokens of the global batch (every rank's), the loss's denominator.
         max_norm: gradient clipping threshold (inf: no clipping).
-        bf16: bf16 autocast on CUDA.
+        autocast_dtype: the dtype of ``torch.autocast`` around forward passes, or None for none.
     """
 
     model: torch.nn.Module
@@ -56,11 +58,11 @@ class TrainingState:
     num_micro_batches: int
     tokens_per_step: int
     max_norm: float
-    bf16: bool
+    autocast_dtype: torch.dtype | None
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 autocast on CUDA when ``bf16``, else a no-op context."""
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.bf16 and self.device.type == "cuda")
+        """``torch.autocast`` to ``autocast_dtype`` on this device, or a no-op context."""
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None)
 
     @property
     def dp_size(self) -> int:
@@ -74,7 +76,8 @@ class TrainingState:
 def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: torch.device,
                 pg_collection: ProcessGroupCollection | None = None) -> GPTModel:
     """The GPTModel of the single-process run with seed ``cfg.seed``; under EP this rank's experts of it,
-    wrapped with FSDP2 or DDP."""
+    wrapped with FSDP2 or DDP. With ``bf16`` on CUDA, FSDP2 gets a ``MixedPrecisionPolicy`` (bf16 parameters
+    for compute and all-gather, float32 gradient reduction) instead of autocast."""
     torch.manual_seed(cfg.seed)
     if pg_collection is None:
         return GPTModel(model_config).to(device)
@@ -83,20 +86,34 @@ def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: to
     load_full_state_dict(model, full.state_dict(), pg_collection)
     del full
     model.to(device)
-    return (apply_fsdp2 if cfg.use_torch_fsdp2 else apply_ddp)(model, pg_collection)
+    if not cfg.use_torch_fsdp2:
+        return apply_ddp(model, pg_collection)
+    mp_policy = None
+    if _bf16_on(cfg, device):
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return apply_fsdp2(model, pg_collection, mp_policy=mp_policy)
+
+
+def _bf16_on(cfg: TrainingConfig, device: torch.device) -> bool:
+    return cfg.bf16 and device.type == "cuda"
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices and expert weights only (not on norms, biases or 1-D params).
 
-    Fused (one kernel over all parameters, the role of apex's and TE's FusedAdam in Megatron) when the
-    parameters live on CUDA; torch's foreach implementation elsewhere.
+    Fused (the role of apex's and TE's FusedAdam in Megatron) when the parameters live on CUDA; torch's foreach
+    implementation elsewhere. Each parameter group holds the parameters of one device mesh only: the fused and
+    foreach kernels batch a group's tensors together, and DTensors of different meshes (dense parameters on the
+    DP mesh, experts on the expert-DP mesh under FSDP2) cannot share a batch.
     """
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+    groups: dict[tuple[bool, object], list[torch.nn.Parameter]] = {}
+    for param in model.parameters():
+        mesh = param.device_mesh if isinstance(param, DTensor) else None
+        groups.setdefault((param.dim() >= 2, mesh), []).append(param)
+    param_groups = [{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
+                    for (decay, _), params in groups.items()]
+    on_cuda = all(p.device.type == "cuda" for p in model.parameters())
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              fused=on_cuda or None)
 
 
@@ -135,7 +152,10 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
         expert_params=expert_params, device=device, pg_collection=pg_collection,
         micro_batch_size=cfg.micro_batch_size, num_micro_batches=num_micro,
         tokens_per_step=cfg.micro_batch_size * num_micro * dp_size * model_config.seq_length,
-        max_norm=cfg.clip_grad if cfg.clip_grad > 0 else math.inf, bf16=cfg.bf16,
+        max_norm=cfg.clip_grad if cfg.clip_grad > 0 else math.inf,
+        # FSDP2 casts the parameters itself (build_model); DDP and one process use autocast.
+        autocast_dtype=torch.bfloat16 if _bf16_on(cfg, device) and not (pg_collection is not None and cfg.use_torch_fsdp2)
+        else None,
     )
 
 

@@ -81,3 +81,26 @@ def test_ep2_fsdp2_checkpoint_loads_in_one_process(tmp_path):
         # On GPUs the runs use bf16 autocast and reduce in other orders: a looser absolute floor.
         atol = 1e-6 if BACKEND == "gloo" else 1e-5
         torch.testing.assert_close(got[name], value, rtol=1e-4, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _optimizer_meshes(ep: int, output_dir: str) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from moe_core.training.step import build_model
+
+    model_cfg, train_cfg = _configs(ep, output_dir, fsdp2=True)
+    model = build_model(model_cfg, train_cfg, torch.device("cpu"), groups(ep, 2))
+    optimizer = build_optimizer(model, train_cfg)
+    per_group = [{p.device_mesh.mesh_dim_names for p in g["params"] if isinstance(p, DTensor)}
+                 for g in optimizer.param_groups]
+    all_meshes = {p.device_mesh.mesh_dim_names for p in model.parameters() if isinstance(p, DTensor)}
+    return {"per_group": per_group, "all": all_meshes}
+
+
+def test_optimizer_groups_never_mix_meshes_under_fsdp2_ep(tmp_path):
+    """The foreach/fused AdamW kernels batch a group's tensors: DTensors of the DP and expert-DP meshes must
+    sit in separate groups (the TRL report's FSDP + EP optimizer crash)."""
+    ranks = run_distributed(2, _optimizer_meshes, timeout=120, ep=2, output_dir=str(tmp_path))
+    for r in ranks:
+        assert len(r["all"]) == 2  # two meshes exist: a single group would mix them
+        assert all(len(meshes) == 1 for meshes in r["per_group"])
