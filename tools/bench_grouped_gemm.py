@@ -29,6 +29,7 @@ import sys
 import time
 
 import torch
+from _bench_common import fmt, iteration_ms, ratio
 
 import moe_core.ops  # noqa: F401  (registers torch.ops.moe_core.*)
 
@@ -96,15 +97,7 @@ def time_samples(fn, inputs: list, timing: Timing) -> list[float]:
         if elapsed_ms >= timing.warmup_ms:
             break
     iters = max(timing.min_iters, math.ceil(timing.measure_ms / (elapsed_ms / done)))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        args = inputs[i % len(inputs)]
-        starts[i].record()
-        fn(*args)
-        ends[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+    return iteration_ms(fn, iters, torch.device("cuda"), inputs)
 
 
 def time_ms(fn, inputs: list, timing: Timing) -> float:
@@ -321,14 +314,6 @@ def empty_call_latency_us() -> dict:
                 continue
             out.setdefault(provider, {})[name] = dict(eager=eager, graph=graph_us)
     return out
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
-def fmt(v: float | None, spec: str = "7.1f") -> str:
-    return format(v, spec) if v is not None else "    n/a"
 
 
 def print_table(results: list[dict]) -> dict:

@@ -1,0 +1,199 @@
+"""Training throughput on one GPU: moe_core's trainer against a plain-PyTorch trainer of the same model.
+
+    python3 tools/bench_pretrain.py --json pretrain.json                     # configs/gpu_a.yaml, gpu_b.yaml
+    python3 tools/bench_pretrain.py --configs configs/gpu_a.yaml --profile   # + CUDA time by kernel category
+    python3 tools/bench_pretrain.py --smoke --json smoke.json                # a tiny model, a few steps (the CI test)
+
+Providers: ``moe_core``, ``setup_training`` + ``train_step`` of moe_core.training.step with the YAML's
+``training:`` section and ``compile`` off; ``moe_core_compiled``, the same with ``compile: true`` (each layer
+compiled); ``native``, the plain-PyTorch GPT of tools/_native_gpt.py (RMSNorm, RoPE, SDPA causal attention,
+the torch-native MoE of tools/_native_moe.py, fused AdamW, gradient clipping, bf16 autocast over fp32
+weights) starting from the weights moe_core's ``build_model`` gives; ``native_compiled``, each block compiled.
+Every step trains on one fixed random batch of ``micro_batch_size`` sequences.
+
+Per provider: ``--warmup`` steps (compilation happens there), then ``--steps`` steps timed with CUDA events
+(median, 10-90 percentile spread); tokens/s over the median step; peak memory (weights, AdamW states and
+activations: ``torch.cuda.max_memory_allocated`` above what was allocated before the provider was built); the
+first and last loss. MFU is the trainer's: ``GPTModel.flops_per_token()`` (PaLM: 6 N_active + 12 L Nq D S)
+times tokens/s over the bf16 peak in moe_core.training.trainer's ``PEAK_BF16_TFLOPS`` (``mfu()``);
+``mfu_causal`` counts half the attention term (6 L Nq D S: the causal mask skips half of Q K^T and A V), the
+convention of the TRL Qwen3-MoE report (Llama 2/3's). ``--profile``: torch.profiler over 3 steps of each
+provider, CUDA time by category (attention, GEMM, optimizer incl. gradient clipping, rest; name patterns in
+tools/_bench_common.py) and the top 10 kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import _native_gpt  # noqa: E402
+from _bench_common import (  # noqa: E402
+    ATTENTION,
+    GEMM,
+    OPTIMIZER,
+    breakdown,
+    error_message,
+    fmt,
+    free_memory,
+    kernel_times,
+    run_metadata,
+    single_thread,
+    timed,
+)
+
+from moe_core import TransformerConfig  # noqa: E402
+from moe_core.models.gpt import GPTModel  # noqa: E402
+from moe_core.training.config import TrainingConfig  # noqa: E402
+from moe_core.training.step import build_model, setup_training, train_step, training_device  # noqa: E402
+from moe_core.training.trainer import mfu  # noqa: E402
+
+CONFIGS = [str(Path(__file__).resolve().parents[1] / "configs" / name) for name in ("gpu_a.yaml", "gpu_b.yaml")]
+PROVIDERS = ("moe_core", "moe_core_compiled", "native", "native_compiled")
+SMOKE_PROVIDERS = ("moe_core", "native")  # compiling with inductor on CPU takes minutes
+# Attention first: cuDNN's flash kernels carry "wgmma" in their names, xformers' fmha ones "cutlass".
+CATEGORIES = {"attention": ATTENTION, "gemm": GEMM, "optimizer": OPTIMIZER}
+
+
+def smoke_configs() -> tuple[TransformerConfig, TrainingConfig]:
+    model = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=2, num_moe_experts=4,
+                              moe_router_topk=2, moe_ffn_hidden_size=16, seq_length=16)
+    # min_lr = lr: a constant LR, as the native trainer's, so both train one trajectory.
+    return model, TrainingConfig(micro_batch_size=2, train_iters=100, lr=1e-3, min_lr=1e-3)
+
+
+def flop_counts(model_config: TransformerConfig) -> dict:
+    """Parameters and FLOPs per token of the config's ``GPTModel`` (built on the meta device)."""
+    with torch.device("meta"):
+        gpt = GPTModel(model_config)
+    palm = gpt.flops_per_token()
+    cfg = model_config
+    causal = palm - 6 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels * cfg.seq_length
+    return dict(params=gpt.num_parameters(), active_params=gpt.num_parameters(active=True),
+                flops_per_token=palm, flops_per_token_causal=causal)
+
+
+def build_step(provider: str, model_config: TransformerConfig, training: TrainingConfig, inputs, labels):
+    """``(step, device)``: ``step()`` runs one training step and returns its loss (a 0-dim tensor)."""
+    compiled = provider.endswith("_compiled")
+    if provider.startswith("moe_core"):
+        state = setup_training(model_config, dataclasses.replace(training, compile=compiled))
+        return (lambda: train_step(state, inputs, labels)[0]), state.device
+    device = training_device(None)
+    gpt = build_model(model_config, training, device)
+    model = _native_gpt.NativeGPT.from_gpt(gpt)
+    del gpt
+    if compiled:
+        for block in model.layers:
+            block.compile()
+    optimizer = _native_gpt.build_adamw(model, training.lr, (training.adam_beta1, training.adam_beta2),
+                                        training.adam_eps, training.weight_decay)
+    max_norm = training.clip_grad if training.clip_grad > 0 else float("inf")
+    return (lambda: _native_gpt.train_step(model, optimizer, inputs, labels, training.micro_batch_size, max_norm,
+                                           training.bf16)), device
+
+
+def bench_provider(provider: str, model_config: TransformerConfig, training: TrainingConfig, counts: dict,
+                   args) -> dict:
+    gen = torch.Generator().manual_seed(training.seed)
+    shape = (training.micro_batch_size * training.num_micro_batches(dp_size=1), model_config.seq_length)
+    inputs = torch.randint(0, model_config.vocab_size, shape, generator=gen)
+    labels = torch.randint(0, model_config.vocab_size, shape, generator=gen)
+    device = training_device(None)
+    before = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    step, device = build_step(provider, model_config, training, inputs.to(device), labels.to(device))
+    first_loss = step().item()
+    row = timed(step, args.steps, max(args.warmup - 1, 0), device)
+    last_loss = step().item()
+    tokens_per_s = inputs.numel() / (row["median_ms"] / 1e3)
+    row.update(first_loss=first_loss, last_loss=last_loss, tokens_per_step=inputs.numel(), tokens_per_s=tokens_per_s,
+               mfu=mfu(counts["flops_per_token"], tokens_per_s, device),
+               mfu_causal=mfu(counts["flops_per_token_causal"], tokens_per_s, device),
+               peak_gib=(torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None)
+    if args.profile:
+        split = breakdown(kernel_times(step, 3, device), CATEGORIES)
+        row["profile"] = dict(ms_per_step=split["ms"], total_ms=split["total_ms"], top=split["ranked"][:10])
+        print_profile(provider, split, "CUDA" if device.type == "cuda" else "CPU op self")
+    return row
+
+
+def print_profile(provider: str, split: dict, kind: str) -> None:
+    total = split["total_ms"] or 1.0
+    print(f"{provider}: {kind} time per step {split['total_ms']:.2f} ms: " + ", ".join(
+        f"{name} {ms:.2f} ms ({100 * ms / total:.1f}%)" for name, ms in split["ms"].items()))
+    for k in split["ranked"][:10]:
+        print(f"  {k['ms']:8.3f} ms  {k['category']:9s}  {k['name'][:110]}")
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'config':10s} {'provider':18s} {'step ms':>9s} {'spread':>7s} {'tokens/s':>10s} {'MFU %':>7s} "
+              f"{'causal %':>8s} {'peak GiB':>8s} {'loss first':>10s} {'last':>7s}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        lead = f"{r['config']:10s} {r['provider']:18s}"
+        if r.get("error"):
+            print(f"{lead} error: {r['error'][:90]}")
+            continue
+        mfu_pct, causal_pct = (None if r[k] is None else 100 * r[k] for k in ("mfu", "mfu_causal"))
+        print(f"{lead} {r['median_ms']:9.2f} {100 * r['spread']:6.1f}% {r['tokens_per_s']:10.0f} "
+              f"{fmt(mfu_pct, '7.1f')} {fmt(causal_pct, '8.1f')} {fmt(r['peak_gib'], '8.2f')} "
+              f"{r['first_loss']:10.3f} {r['last_loss']:7.3f}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, help="YAMLs with model: and training: sections")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, help="default: all (--smoke: the eager ones)")
+    parser.add_argument("--steps", type=int, help="timed steps (default 10; --smoke 2)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3; --smoke 1)")
+    parser.add_argument("--profile", action="store_true", help="CUDA time by category over 3 steps per provider")
+    parser.add_argument("--smoke", action="store_true", help="a tiny built-in model instead of --configs")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    args.providers = args.providers or list(SMOKE_PROVIDERS if args.smoke else PROVIDERS)
+    args.steps = args.steps or (2 if args.smoke else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        sys.exit("bench_pretrain: needs a CUDA device (or --smoke)")
+    runs = {"smoke": smoke_configs()} if args.smoke else {
+        Path(path).stem: (TransformerConfig.from_yaml(path), TrainingConfig.from_yaml(path)) for path in args.configs}
+    rows = []
+    with single_thread(args.smoke):
+        for name, (model_config, training) in runs.items():
+            counts = flop_counts(model_config)
+            for provider in args.providers:
+                row = dict(config=name, provider=provider, **counts)
+                try:
+                    row.update(bench_provider(provider, model_config, training, counts, args))
+                except Exception as err:  # noqa: BLE001  (compile failure, OOM: recorded, the others go on)
+                    row["error"] = error_message(err)
+                    print(f"  {name} {provider}: {row['error']}", file=sys.stderr, flush=True)
+                rows.append(row)
+                torch._dynamo.reset()
+                free_memory()
+            print(f"done {name}", file=sys.stderr, flush=True)
+    print_table(rows)
+    if args.json:
+        device = training_device(None)
+        Path(args.json).write_text(json.dumps(dict(run_metadata(device), args=vars(args), rows=rows), indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
