@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
     parser.add_argument("--bf16", dest="bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 autocast on CUDA (default on)")
     parser.add_argument("--use-torch-fsdp2", dest="use_torch_fsdp2", action="store_true", default=None)
+    parser.add_argument("--finetune", dest="finetune", action="store_true", default=None,
+                        help="with --load: the model's weights only; fresh optimizer, schedule and step")
     parser.add_argument("--compile", dest="compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile each transformer layer")
     parser.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action=argparse.BooleanOptionalAction,
@@ -77,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
                            moe_router_enable_expert_bias=args["moe_router_enable_expert_bias"])
     training_overrides = {field: args[field] for _, field, _ in TRAINING_FLAGS}
     training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"],
-                              compile=args["compile"])
+                              compile=args["compile"], finetune=args["finetune"])
     if args["tokenizer"] is not None:
         model_overrides["vocab_size"] = build_tokenizer(args["tokenizer"]).vocab_size
     model = TransformerConfig.from_yaml(args["config"], **model_overrides)

@@ -70,16 +70,24 @@ def load_hf(path: str | Path, *, device: torch.device | str | None = None, dtype
     raw = read_hf_config(path)
     config = config_from_hf(raw)
     if dtype is None:
-        name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-        dtype = getattr(torch, name)
+        dtype = getattr(torch, raw.get("dtype") or raw.get("torch_dtype") or "float32")
+    model = build_empty_model(config, device=device, dtype=dtype)
+    load_hf_weights(model, path)
+    return config, model
+
+
+def build_empty_model(config: TransformerConfig, pg_collection=None, *, device: torch.device | str | None = None,
+                      dtype: torch.dtype = torch.float32) -> GPTModel:
+    """A ``GPTModel`` (this EP rank's experts with ``pg_collection``) allocated in ``dtype`` on ``device``
+    without initialising its weights (built on the meta device); its buffers start at zero, as in a fresh one.
+    Fill it with ``load_hf_weights``."""
     with torch.device("meta"):
-        model = GPTModel(config)
+        model = GPTModel(config, pg_collection)
     model = model.to(dtype=dtype).to_empty(device=device or "cpu")
     with torch.no_grad():
         for buffer in model.buffers():  # every GPTModel buffer (router counters, expert bias) starts at zero
             buffer.zero_()
-    load_hf_weights(model, path)
-    return config, model
+    return model
 
 
 def load_hf_weights(model: torch.nn.Module, path: str | Path, pg_collection=None) -> dict[str, tuple[int, int]]:
@@ -224,4 +232,4 @@ def _parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
-__all__ = ["load_hf", "load_hf_weights", "save_hf", "read_hf_config"]
+__all__ = ["load_hf", "load_hf_weights", "build_empty_model", "save_hf", "read_hf_config"]

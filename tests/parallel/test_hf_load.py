@@ -1,10 +1,13 @@
 """``load_hf_weights`` on 2 gloo ranks: under EP, FSDP2 and both, each rank reads exactly the HF rows it holds
-(its experts, its FSDP2 rows) and the gathered model equals the single-process ``load_hf`` bitwise."""
+(its experts, its FSDP2 rows) and the gathered model equals the single-process ``load_hf`` bitwise; the import
+tool under EP = 2 writes the checkpoint of the single-process load."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +21,12 @@ from moe_core.models.gpt import GPTModel
 from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2
 from moe_core.parallel.state import gather_full_state_dict
+from moe_core.training.checkpoint import load_model_weights
 from tests.parallel._common import groups
 from tests.parallel._launch import run_distributed
 
 NUM_EXPERTS = 8
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def _load_on_rank(path: str, ep: int, wrap: str) -> dict:
@@ -66,3 +71,35 @@ def test_each_rank_reads_what_it_holds(checkpoint, ep, wrap):
             assert torch.equal(result["full"][name], value), (rank, name)
     if ep == 2:
         assert ranks[0]["experts"] == [0, 1, 2, 3] and ranks[1]["experts"] == [4, 5, 6, 7]
+
+
+def _import_on_rank(path: str, out: str) -> None:
+    sys.path.insert(0, str(TOOLS))
+    import hf_checkpoint
+
+    hf_checkpoint.import_hf(path, out, expert_model_parallel_size=2)
+
+
+def _load_weights_on_rank(path: str, checkpoint_dir: str, fsdp2: bool) -> dict:
+    """What pretrain --finetune does under EP = 2: the model's weights only, into a wrapped EP model."""
+    pg = groups(2, NUM_EXPERTS)
+    config = dataclasses.replace(config_from_hf(read_hf_config(path)), expert_model_parallel_size=2)
+    model = (apply_fsdp2 if fsdp2 else apply_ddp)(GPTModel(config, pg), pg)
+    load_model_weights(checkpoint_dir, model, pg)
+    return gather_full_state_dict(model, pg)
+
+
+def test_import_tool_under_ep2_writes_the_single_process_weights(checkpoint, tmp_path):
+    path, reference = checkpoint
+    run_distributed(2, _import_on_rank, timeout=120, path=path, out=str(tmp_path / "imported"))
+    model = GPTModel(config_from_hf(read_hf_config(path)))
+    load_model_weights(str(tmp_path / "imported" / "checkpoint"), model)
+    assert model.state_dict().keys() == reference.keys()
+    for name, value in reference.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    for fsdp2 in (False, True):
+        ranks = run_distributed(2, _load_weights_on_rank, timeout=120, path=path, fsdp2=fsdp2,
+                                checkpoint_dir=str(tmp_path / "imported" / "checkpoint"))
+        for full in ranks:
+            for name, value in reference.items():
+                assert torch.equal(full[name], value), (fsdp2, name)
