@@ -84,3 +84,13 @@ def test_import_finetune_export(tmp_path, hf_dir, capsys):
 def test_finetune_needs_load():
     with pytest.raises(ValueError, match="finetune"):
         TrainingConfig(finetune=True)
+
+
+def test_finetune_keeps_the_checkpoint_vocabulary(tmp_path):
+    """An imported model's vocabulary may be padded past its tokenizer's: --finetune keeps the config's."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(tmp_path / "tok.json"))
+    flags = ["--config", str(ROOT / "configs" / "tiny.yaml"), "--tokenizer", str(tmp_path / "tok.json")]
+    assert pretrain_gpt.parse_args(flags)[0].vocab_size == 3
+    assert pretrain_gpt.parse_args(flags + ["--load", "ckpt", "--finetune"])[0].vocab_size == 256
