@@ -27,6 +27,7 @@ from moe_core.interop.hf_weights import (
     ExpertStack,
     SafetensorsReader,
     fill_rows,
+    hf_directory,
     hf_shapes,
     hf_tensors,
     weight_map,
@@ -37,12 +38,12 @@ _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """The ``config.json`` of the HF directory ``path`` as a dict.
+    """The ``config.json`` of the HF directory ``path`` (or of the directory of the file ``path``) as a dict.
 
     Raises:
         FileNotFoundError: ``path`` has no ``config.json``.
     """
-    file = Path(path) / "config.json"
+    file = hf_directory(path) / "config.json"
     if not file.is_file():
         raise FileNotFoundError(f"path: expected a Hugging Face directory with config.json, got {path}")
     return json.loads(file.read_text())
@@ -57,7 +58,7 @@ def load_hf(path: str | Path, *, device: torch.device | str | None = None, dtype
 
     Args:
         path: directory with ``config.json`` and the safetensors file(s) of a ``qwen3_moe``, ``mixtral`` or
-            ``olmoe`` checkpoint.
+            ``olmoe`` checkpoint, or a file in it.
         device: where the parameters live (default CPU).
         dtype: parameter dtype; default the checkpoint's ``dtype`` / ``torch_dtype``, else float32.
     Returns:

@@ -111,6 +111,12 @@ def hf_shapes(sources: dict[str, RowConcat | ExpertStack], shapes: dict[str, tor
     return out
 
 
+def hf_directory(path: str | Path) -> Path:
+    """The checkpoint directory of ``path``: itself, or the directory of a file in it (``config.json``)."""
+    path = Path(path)
+    return path.parent if path.is_file() else path
+
+
 class SafetensorsReader:
     """Rows of the tensors of an HF directory's safetensors files (``model.safetensors``, or the shards of
     ``model.safetensors.index.json``), read lazily: only the rows asked for leave the file.
@@ -122,7 +128,7 @@ class SafetensorsReader:
     """
 
     def __init__(self, directory: str | Path):
-        directory = Path(directory)
+        directory = hf_directory(directory)
         if (directory / INDEX_FILE).is_file():
             weight_map_ = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
             self.files = {key: directory / name for key, name in weight_map_.items()}
@@ -186,5 +192,5 @@ def hf_tensors(src: RowConcat | ExpertStack, value: torch.Tensor):
             yield key, part.clone(memory_format=torch.contiguous_format)
 
 
-__all__ = ["EXPERT_NAMES", "RowConcat", "ExpertStack", "weight_map", "hf_shapes", "SafetensorsReader",
+__all__ = ["EXPERT_NAMES", "hf_directory", "RowConcat", "ExpertStack", "weight_map", "hf_shapes", "SafetensorsReader",
            "fill_rows", "hf_tensors"]

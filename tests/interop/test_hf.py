@@ -178,12 +178,19 @@ def test_rope_cos_sin_equal_transformers_at_long_positions():
     hf_cos, hf_sin = Qwen3MoeRotaryEmbedding(hf_config)(torch.zeros(1, dtype=torch.float32), positions)
     cos, sin = rope_cos_sin(4096, 128, 1e6, torch.device("cpu"))
     assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
-    old = torch.outer(torch.arange(4096.0), 1e6 ** (-torch.arange(0, 128, 2, dtype=torch.float32) / 128))
-    assert (torch.cat([old, old], -1).cos() - hf_cos[0]).abs().max() > 1e-4
+    old_cos, _ = _old_rope_cos_sin(4096, 128, 1e6, torch.device("cpu"))
+    assert (old_cos - hf_cos[0]).abs().max() > 1e-4
 
 
-def test_long_position_logits_match_transformers(tmp_path):
-    """Positions up to 4096 at D 128 (RoPE's slow frequencies matter): logits within 5e-6 in float32."""
+def _old_rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device):
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+
+def test_long_position_logits_match_transformers(tmp_path, monkeypatch):
+    """Positions up to 4096 at D 128 (RoPE's slow frequencies matter): logits within 5e-6 in float32; the old
+    ``base ** (-arange / D)`` frequencies miss it (negative control)."""
     hf_config = Qwen3MoeConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
         head_dim=128, intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
@@ -196,7 +203,10 @@ def test_long_position_logits_match_transformers(tmp_path):
     hf.save_pretrained(tmp_path)
     config, model = load_hf(tmp_path)
     case_ = dataclasses.make_dataclass("Case", ["hf", "model", "config"])(hf, model.eval(), config)
-    assert max_logit_error(case_, ids_for(case_, batch=1, seq=4096)) <= 5e-6
+    ids = ids_for(case_, batch=1, seq=4096)
+    assert max_logit_error(case_, ids) <= 5e-6
+    monkeypatch.setattr("moe_core.models.transformer_block.rope_cos_sin", _old_rope_cos_sin)
+    assert max_logit_error(case_, ids) > 5e-6
 
 
 def _qwen3_config(**changes):
@@ -225,6 +235,20 @@ def test_mixtral_sliding_window_and_olmoe_clip_qkv_raise():
     olmoe = json.loads(OlmoeConfig(**TINY, hidden_size=32, clip_qkv=8.0).to_json_string(use_diff=True))
     with pytest.raises(ValueError, match="clip_qkv=8.0"):
         config_from_hf(olmoe)
+
+
+def test_bfloat16_load_and_export(tmp_path):
+    """``dtype``: weights cast once on load (router counters stay float32); export writes bf16 and says so."""
+    hf = build_hf(CASES["olmoe-e8k2-norm"]())
+    hf.save_pretrained(tmp_path / "hf")
+    config, model = load_hf(tmp_path / "hf" / "config.json", dtype=torch.bfloat16)  # a file in the directory
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in model.buffers()} == {torch.float32}
+    save_hf(model, config, tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    for key, value in hf.state_dict().items():
+        assert torch.equal(reloaded.state_dict()[key], value.to(torch.bfloat16)), key
 
 
 def test_missing_and_misshapen_tensors_raise(tmp_path):
