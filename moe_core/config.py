@@ -19,6 +19,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 TOKEN_DROP_POLICIES = ("probs", "position")
 DISPATCHER_TYPES = ("alltoall", "allgather")
 ROUTER_DTYPES = ("fp32", "fp64", None)
+QK_LAYERNORM_SPANS = ("head", "projection")
 
 
 @dataclass(kw_only=True)
@@ -45,7 +46,11 @@ class TransformerConfig:
     add_bias_linear: bool = False
     """Bias on every linear layer (attention, dense MLP, experts)."""
     qk_layernorm: bool = False
-    """RMSNorm on each head's queries and keys (Qwen3, OLMoE)."""
+    """RMSNorm on the queries and keys before RoPE (Qwen3, OLMoE); ``qk_layernorm_span`` sets its width."""
+    qk_layernorm_span: str = "head"
+    """One of QK_LAYERNORM_SPANS: ``head`` normalises each head over D (Qwen3, Megatron's q/k_layernorm);
+    ``projection`` normalises the whole q projection [Nq * D] and k projection [Nkv * D] before the head
+    split (OLMoE)."""
     layernorm_epsilon: float = 1e-6
     """RMSNorm epsilon."""
     rotary_base: float = 10000.0
@@ -138,6 +143,7 @@ class TransformerConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         _positive_int(self, "ffn_hidden_size")
         _choice(self, "activation_func", ACTIVATIONS)
+        _choice(self, "qk_layernorm_span", QK_LAYERNORM_SPANS)
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
         if self.rotary_base <= 0:

@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Tests build their Hugging Face models locally and never download: transformers and huggingface_hub fail
+# instead of reaching the network (spawned ranks inherit the variable).
+os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

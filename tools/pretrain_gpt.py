@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
     parser.add_argument("--bf16", dest="bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 autocast on CUDA (default on)")
     parser.add_argument("--use-torch-fsdp2", dest="use_torch_fsdp2", action="store_true", default=None)
+    parser.add_argument("--finetune", dest="finetune", action="store_true", default=None,
+                        help="with --load: the model's weights only; fresh optimizer, schedule and step "
+                             "(the config's vocab_size stays, --tokenizer must fit in it)")
     parser.add_argument("--compile", dest="compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile each transformer layer")
     parser.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action=argparse.BooleanOptionalAction,
@@ -77,8 +80,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
                            moe_router_enable_expert_bias=args["moe_router_enable_expert_bias"])
     training_overrides = {field: args[field] for _, field, _ in TRAINING_FLAGS}
     training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"],
-                              compile=args["compile"])
-    if args["tokenizer"] is not None:
+                              compile=args["compile"], finetune=args["finetune"])
+    # A fine-tuned checkpoint fixes the vocabulary (the model's may be padded past the tokenizer's).
+    if args["tokenizer"] is not None and not args["finetune"]:
         model_overrides["vocab_size"] = build_tokenizer(args["tokenizer"]).vocab_size
     model = TransformerConfig.from_yaml(args["config"], **model_overrides)
     training = TrainingConfig.from_yaml(args["config"], **training_overrides)

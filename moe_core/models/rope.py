@@ -11,9 +11,12 @@ import torch
 def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``cos``, ``sin`` ``[S, D]`` float32 for positions 0..S-1: pair i turns at frequency ``base^(-2i/D)``.
 
-    Dimension j and j + D/2 form pair j (rotate-half layout), so both halves carry the same angles.
+    Dimension j and j + D/2 form pair j (rotate-half layout), so both halves carry the same angles. The
+    inverse frequencies are ``1 / base ** (arange(0, D, 2) / D)`` in float32, the rounding of Megatron's
+    ``RotaryEmbedding`` and Hugging Face's default RoPE: ``base ** (-arange / D)`` differs by 1 ulp on some
+    frequencies, an angle error that grows with the position.
     """
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)  # [S, D/2]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()

@@ -20,7 +20,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from moe_core.parallel.collectives import all_gather_first_dim
 from moe_core.parallel.process_groups import ProcessGroupCollection
@@ -111,4 +117,20 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     return int(state["step"])
 
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+def load_model_weights(path: str, model: torch.nn.Module, pg_collection=None) -> None:
+    """Restore only the model's weights from a ``save_checkpoint`` directory (Megatron's ``--finetune``): the
+    optimizer, schedule, step, seed and RNG states stay fresh. Any process layout, like ``load_checkpoint``."""
+    model_sd = get_model_state_dict(model, options=_OPTIONS)
+    no_optim = {"state": {}}
+    experts = expert_param_names(model)
+    if pg_collection is not None and pg_collection.ep_size > 1:
+        for sd, key in _expert_tensors(model_sd, no_optim, experts):
+            sd[key] = all_gather_first_dim(sd[key].contiguous(), pg_collection.ep)
+    state = {"model": model_sd}
+    dcp.load(state, checkpoint_id=path)
+    if pg_collection is not None and pg_collection.ep_size > 1:
+        _keep_local_experts(state["model"], no_optim, experts, pg_collection)
+    set_model_state_dict(model, state["model"], options=_OPTIONS)
+
+
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights"]

@@ -45,6 +45,9 @@ class TrainingConfig:
     """Steps between checkpoints; None: only at the end."""
     load: str | None = None
     """Checkpoint directory to resume from (same seed and schedule: the run continues the saved trajectory)."""
+    finetune: bool = False
+    """With ``load``: take the model's weights only and start at step 0 with a fresh optimizer and schedule
+    (Megatron's --finetune; e.g. from ``tools/hf_checkpoint.py import``)."""
     exit_interval: int | None = None
     """Stop (evaluate, save) after the first step that is a multiple of this; the LR schedule still spans
     train_iters, so a later --load continues the same run (Megatron's --exit-interval)."""
@@ -85,6 +88,8 @@ class TrainingConfig:
             raise ValueError(f"clip_grad: expected >= 0, got {self.clip_grad}")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay: expected >= 0, got {self.weight_decay}")
+        if self.finetune and not self.load:
+            raise ValueError("finetune: expected a checkpoint to take the weights from (load), got load=None")
         if isinstance(self.data_path, str):
             self.data_path = [self.data_path]
 

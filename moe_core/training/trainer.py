@@ -22,7 +22,7 @@ from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
-from moe_core.training.checkpoint import load_checkpoint, save_checkpoint
+from moe_core.training.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.data import build_token_streams, sample_batch, shard_rows
 from moe_core.training.metrics import MetricsWriter
@@ -125,7 +125,9 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
         f"{whole.num_parameters(active=True) / 1e6:.2f}M active; "
         f"corpus: {len(streams['train']):,} train / {len(streams['valid']):,} valid {tokenizer.unit}s")
     start_step = 0
-    if cfg.load:
+    if cfg.load and cfg.finetune:
+        load_model_weights(cfg.load, state.model, pg)
+    elif cfg.load:
         start_step = load_checkpoint(cfg.load, state.model, state.optimizer, state.scheduler, pg, seed=cfg.seed)
     if start_step > cfg.train_iters:
         raise ValueError(f"train_iters ({cfg.train_iters}) is below the step of the checkpoint in {cfg.load} "
@@ -136,7 +138,8 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
 
     seq = model_config.seq_length
     global_batch = state.tokens_per_step // seq
-    writer = (MetricsWriter(cfg.output_dir, cfg.tensorboard_dir, resume_step=start_step if cfg.load else None)
+    resumed = cfg.load and not cfg.finetune
+    writer = (MetricsWriter(cfg.output_dir, cfg.tensorboard_dir, resume_step=start_step if resumed else None)
               if is_logger else _NoWriter())
     t_start = time.perf_counter()
     start_valid = evaluate(state, streams["valid"], cfg, seq)

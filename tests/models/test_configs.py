@@ -1,5 +1,6 @@
-"""Architecture configs on the meta device: total and active parameter counts against the published figures,
-DeepSeek-V3's MoE part exactly, and config validation."""
+"""Architecture configs on the meta device: total and active parameter counts against the published figures and,
+for the three Hugging Face architectures, exactly against transformers' own model; DeepSeek-V3's MoE part
+exactly; the aux-loss coefficients converted from HF's; config validation."""
 
 from pathlib import Path
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from moe_core.config import TransformerConfig
+from moe_core.interop.hf_config import aux_loss_coeff_from_hf, config_to_hf
 from moe_core.models.gpt import GPTModel
 from moe_core.moe.moe_layer import MoELayer
 
@@ -30,12 +32,34 @@ def test_parameter_counts_match_published(name):
     assert model.num_parameters() == pytest.approx(total, rel=0.02)
     assert model.num_parameters(active=True) == pytest.approx(active, rel=0.02)
 
+HF_AUX_LOSS_COEF = {"qwen3_30b_a3b": 0.001, "mixtral_8x7b": 0.02, "olmoe_1b_7b": 0.01}  # each config.json's
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_count_equals_transformers(name):
+    """transformers builds the same architecture from the YAML (through the export mapping) with exactly as many
+    parameters: OLMoE's full-width QK-norm included."""
+    from transformers import AutoModelForCausalLM
+
+    model = build(name)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config_to_hf(model.config))
+    assert model.num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_aux_loss_coeff_is_hf_coefficient_converted(name):
+    cfg = build(name).config
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    assert cfg.moe_aux_loss_coeff == aux_loss_coeff_from_hf(HF_AUX_LOSS_COEF[name], cfg.moe_router_topk, moe_layers)
+
 
 def test_parameter_counts_are_computed_on_meta():
     model = build("olmoe_1b_7b")
     assert all(p.is_meta for p in model.parameters())
     cfg = model.config
     assert (cfg.moe_router_pre_softmax, cfg.qk_layernorm, cfg.num_query_groups) == (True, True, 16)
+    assert cfg.qk_layernorm_span == "projection"
 
 
 def test_deepseek_v3_moe_part_is_exact():
@@ -88,6 +112,7 @@ def test_tiny_config_loads():
     (dict(num_moe_experts=4, moe_router_score_function="sigmoid", moe_router_pre_softmax=True), ValueError,
      "moe_router_pre_softmax"),
     (dict(activation_func="tanh"), ValueError, "activation_func"),
+    (dict(qk_layernorm=True, qk_layernorm_span="group"), ValueError, "qk_layernorm_span"),
     (dict(num_moe_experts=4, moe_router_topk=5), ValueError, "moe_router_topk"),
     (dict(num_moe_experts=6, moe_router_num_groups=4, moe_router_group_topk=1), ValueError, "moe_router_num_groups"),
     (dict(num_moe_experts=4, moe_router_num_groups=2), ValueError, "moe_router_group_topk"),

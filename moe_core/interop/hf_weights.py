@@ -1,0 +1,196 @@
+"""Where each ``GPTModel`` parameter lives in a Hugging Face checkpoint, and reading rows of it lazily.
+
+Legend: L layers, H hidden, V vocabulary, Nq / Nkv query / key-value heads, D head dim, E experts, F expert
+(or dense) ffn width.
+
+A moe_core parameter is either HF tensors stacked along dim 0 (``RowConcat``: ``linear_qkv`` is q, k, v; a
+dense ``linear_fc1`` is gate, up) or a ``GroupedMLP`` weight whose expert e is HF's per-expert tensors
+stacked and transposed (``ExpertStack``: ``fc1[e] [H, 2F] = cat(gate_e [F, H], up_e [F, H]).T``, gate half
+first; ``fc2[e] [F, H] = down_e.T``). HF checkpoints keep one tensor per expert (the Hub's layout, and what
+``save_pretrained`` writes), so a rank can read exactly the experts and rows it holds.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moe_core.config import TransformerConfig
+from moe_core.interop.hf_config import hf_architecture
+
+# (MoE block, gate, up, down) names of the HF expert tensors.
+EXPERT_NAMES = {
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class RowConcat:
+    """A moe_core tensor that is the HF tensors ``pieces`` ((key, rows), ...) stacked along dim 0."""
+
+    pieces: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class ExpertStack:
+    """A ``GroupedMLP`` weight ``[E, in, out]``: expert e is ``cat(pieces, dim 0).T``, each piece ``(key
+    template with {e}, rows)`` an HF tensor ``[rows, in]``."""
+
+    pieces: tuple[tuple[str, int], ...]
+    num_experts: int
+
+    def keys(self, expert: int) -> list[str]:
+        return [template.format(e=expert) for template, _ in self.pieces]
+
+
+def weight_map(config: TransformerConfig) -> dict[str, RowConcat | ExpertStack]:
+    """Every ``GPTModel(config)`` parameter name -> where it lives in the HF checkpoint of
+    ``hf_architecture(config)``."""
+    c = config
+    arch = hf_architecture(c)
+    block, gate, up, down = EXPERT_NAMES[arch]
+    heads_q, heads_kv, dim = c.num_attention_heads, c.num_query_groups, c.kv_channels
+    hidden = c.hidden_size
+
+    def one(key: str, rows: int) -> RowConcat:
+        return RowConcat(((key, rows),))
+
+    out: dict[str, RowConcat | ExpertStack] = {"embedding.weight": one("model.embed_tokens.weight", c.vocab_size)}
+    for i in range(c.num_layers):
+        ours, attn, theirs = f"decoder.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}"
+        out[f"{ours}.input_layernorm.weight"] = one(f"{theirs}.input_layernorm.weight", hidden)
+        out[f"{ours}.self_attention.linear_qkv.weight"] = RowConcat((
+            (f"{attn}.q_proj.weight", heads_q * dim), (f"{attn}.k_proj.weight", heads_kv * dim),
+            (f"{attn}.v_proj.weight", heads_kv * dim)))
+        out[f"{ours}.self_attention.linear_proj.weight"] = one(f"{attn}.o_proj.weight", hidden)
+        if c.qk_layernorm:
+            per_head = c.qk_layernorm_span == "head"
+            out[f"{ours}.self_attention.q_layernorm.weight"] = one(f"{attn}.q_norm.weight",
+                                                                   dim if per_head else heads_q * dim)
+            out[f"{ours}.self_attention.k_layernorm.weight"] = one(f"{attn}.k_norm.weight",
+                                                                   dim if per_head else heads_kv * dim)
+        out[f"{ours}.pre_mlp_layernorm.weight"] = one(f"{theirs}.post_attention_layernorm.weight", hidden)
+        if c.is_moe_layer(i):
+            moe, ffn, experts = f"{theirs}.{block}", c.moe_ffn_hidden_size, c.num_moe_experts
+            out[f"{ours}.mlp.router.weight"] = one(f"{moe}.gate.weight", experts)
+            out[f"{ours}.mlp.experts.fc1.weight"] = ExpertStack(
+                ((f"{moe}.experts.{{e}}.{gate}.weight", ffn), (f"{moe}.experts.{{e}}.{up}.weight", ffn)), experts)
+            out[f"{ours}.mlp.experts.fc2.weight"] = ExpertStack(((f"{moe}.experts.{{e}}.{down}.weight", hidden),),
+                                                                experts)
+        else:
+            ffn = c.ffn_hidden_size
+            out[f"{ours}.mlp.linear_fc1.weight"] = RowConcat(
+                ((f"{theirs}.mlp.gate_proj.weight", ffn), (f"{theirs}.mlp.up_proj.weight", ffn)))
+            out[f"{ours}.mlp.linear_fc2.weight"] = one(f"{theirs}.mlp.down_proj.weight", hidden)
+    out["decoder.final_layernorm.weight"] = one("model.norm.weight", hidden)
+    if not c.share_embeddings_and_output_weights:
+        out["output_layer.weight"] = one("lm_head.weight", c.vocab_size)
+    return out
+
+
+def hf_shapes(sources: dict[str, RowConcat | ExpertStack], shapes: dict[str, torch.Size]
+              ) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor's shape, from the moe_core parameters' (global) ``shapes`` by name."""
+    out: dict[str, tuple[int, ...]] = {}
+    for name, src in sources.items():
+        if isinstance(src, RowConcat):
+            out.update({key: (rows, *shapes[name][1:]) for key, rows in src.pieces})
+        else:
+            for e in range(src.num_experts):
+                out.update({key: (rows, shapes[name][1]) for key, (_, rows) in zip(src.keys(e), src.pieces,
+                                                                                    strict=True)})
+    return out
+
+
+def hf_directory(path: str | Path) -> Path:
+    """The checkpoint directory of ``path``: itself, or the directory of a file in it (``config.json``)."""
+    path = Path(path)
+    return path.parent if path.is_file() else path
+
+
+class SafetensorsReader:
+    """Rows of the tensors of an HF directory's safetensors files (``model.safetensors``, or the shards of
+    ``model.safetensors.index.json``), read lazily: only the rows asked for leave the file.
+
+    Records each read in ``rows_read`` (key -> (start, stop)). Use as a context manager (closes the files).
+
+    Raises:
+        FileNotFoundError: the directory has neither file.
+    """
+
+    def __init__(self, directory: str | Path):
+        directory = hf_directory(directory)
+        if (directory / INDEX_FILE).is_file():
+            weight_map_ = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+            self.files = {key: directory / name for key, name in weight_map_.items()}
+        elif (directory / SINGLE_FILE).is_file():
+            with safe_open(directory / SINGLE_FILE, framework="pt") as f:
+                self.files = dict.fromkeys(f.keys(), directory / SINGLE_FILE)
+        else:
+            raise FileNotFoundError(f"path: expected {SINGLE_FILE} or {INDEX_FILE} in {directory}")
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+        self.rows_read: dict[str, tuple[int, int]] = {}
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _slice(self, key: str):
+        path = self.files[key]
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+        return self._handles[path].get_slice(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._slice(key).get_shape())
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``key`` (dim 0)."""
+        self.rows_read[key] = (start, stop)
+        return self._slice(key)[start:stop]
+
+
+@torch.no_grad()
+def fill_rows(dest: torch.Tensor, src: RowConcat | ExpertStack, reader: SafetensorsReader, start: int) -> None:
+    """Copy rows ``[start, start + len(dest))`` of the moe_core tensor ``src`` describes into ``dest``
+    (dtype and device converted), reading only those rows (for ``ExpertStack``: those experts)."""
+    stop = start + dest.shape[0]
+    if isinstance(src, ExpertStack):
+        for row, expert in enumerate(range(start, stop)):
+            pieces = [reader.rows(key, 0, rows) for key, (_, rows) in zip(src.keys(expert), src.pieces, strict=True)]
+            dest[row].copy_(torch.cat(pieces).t())
+        return
+    offset = 0
+    for key, rows in src.pieces:
+        lo, hi = max(start, offset), min(stop, offset + rows)
+        if lo < hi:
+            dest[lo - start:hi - start].copy_(reader.rows(key, lo - offset, hi - offset))
+        offset += rows
+
+
+def hf_tensors(src: RowConcat | ExpertStack, value: torch.Tensor):
+    """The HF tensors ``(key, tensor)`` of the full moe_core tensor ``value`` (contiguous, own storage)."""
+    if isinstance(src, RowConcat):
+        for key, part in zip((k for k, _ in src.pieces), value.split([r for _, r in src.pieces]), strict=True):
+            yield key, part.clone(memory_format=torch.contiguous_format)
+        return
+    for expert in range(src.num_experts):
+        parts = value[expert].t().split([r for _, r in src.pieces])
+        for key, part in zip(src.keys(expert), parts, strict=True):
+            yield key, part.clone(memory_format=torch.contiguous_format)
+
+
+__all__ = ["EXPERT_NAMES", "hf_directory", "RowConcat", "ExpertStack", "weight_map", "hf_shapes", "SafetensorsReader",
+           "fill_rows", "hf_tensors"]
