@@ -144,6 +144,8 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
     scheduler = build_scheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters)
     dp_size = 1 if pg_collection is None else pg_collection.dp_size
     num_micro = cfg.num_micro_batches(dp_size=dp_size)
+    # FSDP2 casts the parameters itself (build_model); DDP and one process use autocast.
+    fsdp2_casts = pg_collection is not None and cfg.use_torch_fsdp2
     for layer in model.moe_layers():
         # Gradients are summed over micro-batches and DP ranks: the aux loss averages over all of them.
         layer.router.aux_loss_scale = 1.0 / (num_micro * dp_size)
@@ -153,9 +155,7 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
         micro_batch_size=cfg.micro_batch_size, num_micro_batches=num_micro,
         tokens_per_step=cfg.micro_batch_size * num_micro * dp_size * model_config.seq_length,
         max_norm=cfg.clip_grad if cfg.clip_grad > 0 else math.inf,
-        # FSDP2 casts the parameters itself (build_model); DDP and one process use autocast.
-        autocast_dtype=torch.bfloat16 if _bf16_on(cfg, device) and not (pg_collection is not None and cfg.use_torch_fsdp2)
-        else None,
+        autocast_dtype=torch.bfloat16 if _bf16_on(cfg, device) and not fsdp2_casts else None,
     )
 
 
