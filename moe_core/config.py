@@ -8,9 +8,13 @@ happens in ``__post_init__`` and raises ``ValueError``/``TypeError`` naming the 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu", "relu", "squared_relu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
@@ -144,12 +148,9 @@ class TransformerConfig:
         _positive_int(self, "ffn_hidden_size")
         _choice(self, "activation_func", ACTIVATIONS)
         _choice(self, "qk_layernorm_span", QK_LAYERNORM_SPANS)
-        if self.layernorm_epsilon <= 0:
-            raise ValueError(f"layernorm_epsilon must be > 0, got {self.layernorm_epsilon}")
-        if self.rotary_base <= 0:
-            raise ValueError(f"rotary_base must be > 0, got {self.rotary_base}")
-        if self.init_method_std <= 0:
-            raise ValueError(f"init_method_std must be > 0, got {self.init_method_std}")
+        for name in ("layernorm_epsilon", "rotary_base", "init_method_std"):
+            setattr(self, name, check_number(name, getattr(self, name), low=0.0, low_open=True))
+        self._validate_router_numbers()
         self._validate_moe()
         self._validate_router()
         _positive_int(self, "expert_model_parallel_size")
@@ -233,10 +234,29 @@ class TransformerConfig:
                 "moe_aux_loss_coeff must be a float when moe_router_load_balancing_type is a string and a "
                 f"list of the same length when it is a list; got {types!r} and {coeffs!r}"
             )
-        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor <= 0:
-            raise ValueError(f"moe_expert_capacity_factor must be > 0, got {self.moe_expert_capacity_factor}")
         if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
             raise ValueError("moe_pad_expert_input_to_capacity requires moe_expert_capacity_factor")
+
+    def _validate_router_numbers(self) -> None:
+        """Every float of the router: finite, and in the range its formula allows."""
+        positive = {"low": 0.0, "low_open": True, "optional": True}
+        non_negative = {"low": 0.0, "optional": True}
+        ranges = {
+            "moe_router_topk_scaling_factor": positive,
+            "moe_router_bias_update_rate": non_negative,
+            "moe_z_loss_coeff": non_negative,
+            # The jitter multiplies by U(1 - eps, 1 + eps): eps >= 1 could zero or flip the router input.
+            "moe_input_jitter_eps": {"low": 0.0, "high": 1.0, "high_open": True, "optional": True},
+            "moe_expert_capacity_factor": positive,
+        }
+        for name, bounds in ranges.items():
+            setattr(self, name, check_number(name, getattr(self, name), **bounds))
+        coeffs = self.moe_aux_loss_coeff
+        if isinstance(coeffs, list):
+            self.moe_aux_loss_coeff = [check_number(f"moe_aux_loss_coeff[{i}]", c, low=0.0)
+                                       for i, c in enumerate(coeffs)]
+        else:
+            self.moe_aux_loss_coeff = check_number("moe_aux_loss_coeff", coeffs, low=0.0)
 
     # --- derived ---
     @property
@@ -269,12 +289,64 @@ class TransformerConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> TransformerConfig:
         """Load the ``model:`` section of a YAML file (or the whole file), then apply ``overrides``."""
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = load_yaml(path)
         values = dict(data.get("model", data))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_dict(values)
+
+
+def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,
+                 low_open: bool = False, high_open: bool = False, optional: bool = False) -> float | None:
+    """``value`` as a float after checking it is a finite int or float within the bounds (None passes when
+    ``optional``).
+
+    Raises:
+        TypeError: not a number (a bool, a string, ...).
+        ValueError: NaN, infinite, or outside ``low`` / ``high`` (``*_open``: the bound itself is excluded).
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        expected = "a number or None" if optional else "a number"
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} ({value!r})")
+    bounds = [f"{'>' if low_open else '>='} {low:g}" if low is not None else "",
+              f"{'<' if high_open else '<='} {high:g}" if high is not None else ""]
+    expected = " and ".join(b for b in bounds if b)
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if not math.isfinite(value) or too_low or too_high:
+        raise ValueError(f"{name}: expected a finite number{' ' + expected if expected else ''}, got {value}")
+    return float(value)
+
+
+# YAML 1.1 (PyYAML) reads 3e-3 and 1e5 as strings: a float needs a dot there. This is YAML 1.2's float
+# pattern (exponent without a dot), plus 1.1's forms PyYAML already knew.
+_YAML_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats (``3e-3`` is a float)."""
+
+
+_Loader.yaml_implicit_resolvers = {k: list(v) for k, v in _Loader.yaml_implicit_resolvers.items()}
+for _first in list("-+0123456789."):
+    _Loader.yaml_implicit_resolvers[_first] = [
+        (tag, regexp) for tag, regexp in _Loader.yaml_implicit_resolvers.get(_first, [])
+        if tag != "tag:yaml.org,2002:float"
+    ]
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
+
+
+def load_yaml(path: str | Path) -> dict:
+    """The mapping in the YAML file ``path`` (empty file: ``{}``), numbers read as YAML 1.2 reads them."""
+    data = yaml.load(Path(path).read_text(), Loader=_Loader) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a YAML mapping at the top level, got {type(data).__name__}")
+    return data
 
 
 def _positive_int(cfg: TransformerConfig, name: str) -> None:

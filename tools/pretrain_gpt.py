@@ -14,6 +14,7 @@ Flags use Megatron's spellings and override the YAML's ``model:`` (TransformerCo
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from moe_core.config import TransformerConfig  # noqa: E402
 from moe_core.parallel.launch import init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.tokenizer import build_tokenizer  # noqa: E402
-from moe_core.training.trainer import pretrain  # noqa: E402
+from moe_core.training.trainer import TrainingDivergedError, pretrain  # noqa: E402
 
 # (flag, field, type); the field's section is found by name.
 MODEL_FLAGS = [
@@ -48,7 +49,10 @@ TRAINING_FLAGS = [
     ("--adam-beta1", "adam_beta1", float), ("--adam-beta2", "adam_beta2", float), ("--adam-eps", "adam_eps", float),
     ("--clip-grad", "clip_grad", float), ("--log-interval", "log_interval", int),
     ("--eval-interval", "eval_interval", int), ("--eval-iters", "eval_iters", int), ("--save", "save", str),
-    ("--save-interval", "save_interval", int), ("--load", "load", str), ("--exit-interval", "exit_interval", int),
+    ("--save-interval", "save_interval", int), ("--save-keep", "save_keep", int), ("--load", "load", str),
+    ("--exit-interval", "exit_interval", int), ("--max-skipped-steps", "max_skipped_steps", int),
+    ("--distributed-timeout-minutes", "distributed_timeout_minutes", float),
+    ("--data-encoding", "data_encoding", str),
     ("--seed", "seed", int), ("--tokenizer", "tokenizer", str), ("--output-dir", "output_dir", str),
     ("--tensorboard-dir", "tensorboard_dir", str),
 ]
@@ -68,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
     parser.add_argument("--finetune", dest="finetune", action="store_true", default=None,
                         help="with --load: the model's weights only; fresh optimizer, schedule and step "
                              "(the config's vocab_size stays, --tokenizer must fit in it)")
+    parser.add_argument("--load-partial", dest="load_partial", action="store_true", default=None,
+                        help="load only the matching weights of --load, even from another architecture; start at "
+                             "step 0 with a fresh optimizer")
     parser.add_argument("--compile", dest="compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile each transformer layer")
     parser.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action=argparse.BooleanOptionalAction,
@@ -80,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
                            moe_router_enable_expert_bias=args["moe_router_enable_expert_bias"])
     training_overrides = {field: args[field] for _, field, _ in TRAINING_FLAGS}
     training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"],
-                              compile=args["compile"], finetune=args["finetune"])
+                              compile=args["compile"], finetune=args["finetune"],
+                              load_partial=args["load_partial"])
     # A fine-tuned checkpoint fixes the vocabulary (the model's may be padded past the tokenizer's).
     if args["tokenizer"] is not None and not args["finetune"]:
         model_overrides["vocab_size"] = build_tokenizer(args["tokenizer"]).vocab_size
@@ -90,10 +98,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse, initialise the ranks, pretrain. A diverged run exits with status 1 and its reason on stderr."""
     model_config, training_config = parse_args(argv)
-    pg = init_distributed(model_config.expert_model_parallel_size, num_moe_experts=model_config.num_moe_experts)
+    timeout = datetime.timedelta(minutes=training_config.distributed_timeout_minutes)
+    pg = init_distributed(model_config.expert_model_parallel_size, num_moe_experts=model_config.num_moe_experts,
+                          timeout=timeout)
     try:
         pretrain(model_config, training_config, pg_collection=pg)
+    except TrainingDivergedError as e:
+        sys.exit(f"pretrain_gpt.py: {e}")
     finally:
         if pg is not None:
             dist.destroy_process_group()

@@ -247,7 +247,8 @@ class TopKRouter(nn.Module):
                 losses[kind] = switch_load_balancing_loss(scores_TE, routing_map_TE.sum(dim=0), num_tokens, self.topk)
             elif kind == "seq_aux_loss":
                 losses[kind] = sequence_load_balancing_loss(
-                    scores_TE.view(batch, seq, -1), routing_map_TE.view(batch, seq, -1), self.topk
+                    scores_TE.view(batch, seq, self.num_experts),
+                    routing_map_TE.view(batch, seq, self.num_experts), self.topk
                 )
             else:
                 counts_E, total = self._accumulate_global_counts(routing_map_TE.sum(dim=0), num_tokens)

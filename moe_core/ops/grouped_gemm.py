@@ -5,7 +5,8 @@ Legend: T routed rows (expert-major), K reduction width, N output width, E exper
 Layers (as in tgale96/grouped_gemm): the C++/CUDA kernels in ``csrc/`` compute one product each;
 ``grouped_gemm`` checks its arguments and calls the custom op; autograd (C++, ``csrc/autograd.cpp``) reuses
 the same kernels, the forward one with the weight transposed for dgrad and ``grouped_gemm_wgrad`` for wgrad.
-Fake kernels make the ops traceable by ``torch.compile(fullgraph=True)``.
+Fake kernels make the ops traceable by ``torch.compile(fullgraph=True)``. ``grouped_gemm_wgrad`` has its
+own autograd (Python, below), so gradients of gradients (double backward) are exact.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def check_grouped_gemm_args(x, weight, tokens_per_expert, trans_weight: bool) ->
     if tokens_per_expert.device.type == "cpu" and not _is_tracing():
         if bool((tokens_per_expert < 0).any()):
             raise ValueError(f"tokens_per_expert: expected non-negative counts, got {tokens_per_expert.tolist()}")
+        # Each count bounded by T first: counts near 2^63 could wrap their int64 sum around to T.
+        if tokens_per_expert.numel() and int(tokens_per_expert.max()) > x.shape[0]:
+            raise ValueError(f"tokens_per_expert: a count exceeds T = {x.shape[0]} (x's rows), got "
+                             f"{tokens_per_expert.tolist()}")
         total = int(tokens_per_expert.sum())
         if total != x.shape[0]:
             raise ValueError(f"tokens_per_expert: counts sum to {total}, expected T = {x.shape[0]} (x's rows)")
@@ -116,6 +121,29 @@ def _grouped_gemm_wgrad_accum_fake(main_grad, x, dy, tokens_per_expert, trans_we
 
 # Autograd of moe_core::grouped_gemm lives in C++ (csrc/autograd.cpp): a Python autograd kernel would add
 # host time to every call (docs/kernels.md).
+
+
+def _wgrad_setup_context(ctx, inputs, output):
+    x, dy, tokens_per_expert, trans_weight = inputs
+    ctx.save_for_backward(x, dy, tokens_per_expert)
+    ctx.trans_weight = trans_weight
+
+
+def _wgrad_backward(ctx, grad_dw):
+    """Backward of ``dw[e] = x_e^T dy_e`` (``dw[e]^T`` with trans_weight) for a gradient G of dw's shape:
+    ``d x_e = dy_e G[e]^T`` and ``d dy_e = x_e G[e]`` (G[e] transposed in both with trans_weight), each one
+    grouped GEMM of the differentiable forward op, so higher derivatives work too."""
+    x, dy, tokens_per_expert = ctx.saved_tensors
+    grad_dw = grad_dw.contiguous()
+    dx = ddy = None
+    if ctx.needs_input_grad[0]:
+        dx = torch.ops.moe_core.grouped_gemm(dy, grad_dw, tokens_per_expert, not ctx.trans_weight)
+    if ctx.needs_input_grad[1]:
+        ddy = torch.ops.moe_core.grouped_gemm(x, grad_dw, tokens_per_expert, ctx.trans_weight)
+    return dx, ddy, None, None
+
+
+torch.library.register_autograd("moe_core::grouped_gemm_wgrad", _wgrad_backward, setup_context=_wgrad_setup_context)
 
 
 class _GroupedGemmMainGrad(torch.autograd.Function):

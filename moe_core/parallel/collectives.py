@@ -19,6 +19,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from moe_core.parallel.collective_errors import named_collective
+
 
 def group_size(group: dist.ProcessGroup | None) -> int:
     """World size of ``group``; 1 for ``None`` (single-process use)."""
@@ -28,7 +30,8 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
+    with named_collective(f"all_to_all_single (MoE tokens, {x.shape[0]} rows out, {out.shape[0]} in)", group):
+        dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits, group=group)
     return out
 
 
@@ -78,14 +81,16 @@ def all_to_all(
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    with named_collective(f"all_gather_into_tensor ({tuple(x.shape)} per rank)", group):
+        dist.all_gather_into_tensor(out, x, group=group)
     return out
 
 
 def _reduce_scatter(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+    with named_collective(f"reduce_scatter_tensor ({tuple(x.shape)})", group):
+        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
     return out
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
@@ -93,7 +94,8 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
         total = torch.zeros((), dtype=torch.float32, device=_default_device(pg_collection))
     if pg_collection is not None and world > 1:
         op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-        dist.all_reduce(total, op=op)
+        with named_collective("all_reduce (global gradient norm)"):
+            dist.all_reduce(total, op=op)
     return total if norm_type == float("inf") else total.pow(1.0 / norm_type)
 
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from moe_core.parallel.process_groups import ProcessGroupCollection, build_process_groups, check_expert_split
 
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
 
 def init_distributed(expert_model_parallel_size: int = 1, *, num_moe_experts: int | None = None,
-                     backend: str | None = None) -> ProcessGroupCollection | None:
+                     backend: str | None = None, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+                     ) -> ProcessGroupCollection | None:
     """Initialise torch.distributed from torchrun's environment and build the EP groups.
 
     Returns ``None`` for a single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``) with EP 1: the single-rank
@@ -19,10 +24,17 @@ def init_distributed(expert_model_parallel_size: int = 1, *, num_moe_experts: in
     ``MOE_CORE_BACKEND``, else NCCL when CUDA is available and gloo otherwise; under NCCL each rank uses
     ``cuda:LOCAL_RANK``.
 
+    ``timeout``: of the rendezvous and of every collective of every group, the default one included
+    (Megatron's --distributed-timeout-minutes, same default). A collective that waits longer for a stuck or
+    stopped rank fails (``moe_core.parallel.collective_errors``) instead of hanging for torch's default of
+    10 minutes (NCCL) or 30 (gloo).
+
     Raises:
-        ValueError: sizes do not divide (checked on every rank before any collective), or EP > 1 without
-            enough processes.
+        ValueError: sizes do not divide (checked on every rank before any collective), EP > 1 without
+            enough processes, or a timeout that is not positive.
     """
+    if not timeout > datetime.timedelta(0):
+        raise ValueError(f"timeout: expected a positive timedelta, got {timeout}")
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if num_moe_experts is not None:
         check_expert_split(num_moe_experts, expert_model_parallel_size)
@@ -37,8 +49,12 @@ def init_distributed(expert_model_parallel_size: int = 1, *, num_moe_experts: in
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend)
-    return build_process_groups(expert_model_parallel_size, num_moe_experts=num_moe_experts)
+        dist.init_process_group(backend, timeout=timeout)
+    pg_collection = build_process_groups(expert_model_parallel_size, num_moe_experts=num_moe_experts)
+    # DeviceMesh creates its subgroups with torch's default timeout, not the default group's: set it on each.
+    for group in {pg_collection.dp, pg_collection.ep, pg_collection.expt_dp}:
+        _set_pg_timeout(timeout, group)
+    return pg_collection
 
 
 def rank_slice(global_batch_size: int, pg_collection: ProcessGroupCollection | None) -> slice:

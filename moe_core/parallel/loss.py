@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moe_core.parallel.collective_errors import named_collective
+
 
 def global_token_count(num_local_tokens: torch.Tensor | int, group: dist.ProcessGroup | None,
                        device: torch.device | str | None = None) -> torch.Tensor:
@@ -22,7 +24,8 @@ def global_token_count(num_local_tokens: torch.Tensor | int, group: dist.Process
     """
     count = torch.as_tensor(num_local_tokens, dtype=torch.int64, device=device).clone()
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+        with named_collective("all_reduce (global token count)", group):
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
     return count
 
 
@@ -50,7 +53,8 @@ def reduce_loss_for_logging(local_loss: torch.Tensor, group: dist.ProcessGroup |
     """Sum of the detached ``token_mean_loss`` values over ``group``: the global token-mean loss."""
     value = local_loss.detach().clone()
     if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        with named_collective("all_reduce (loss)", group):
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
 
 

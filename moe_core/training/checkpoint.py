@@ -1,21 +1,39 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP) that load in any process layout.
+"""Checkpoints that load in any process layout, are published atomically and never run code when loaded.
 
-The state is saved in the single-process layout: full tensors (``get_state_dict(full_state_dict=True)``
+Layout and publication: ``checkpoint_files`` (``save/step_<N>/``, a ``latest`` pointer, the last ``keep``
+kept, a SHA-256 manifest). Safety of loading: ``checkpoint_metadata``.
+
+What a checkpoint holds:
+
+- DCP (torch.distributed.checkpoint), tensors only: the model, AdamW's per-parameter state and each rank's
+  torch RNG states (CPU, and CUDA when used: router input jitter draws from them) under a per-rank key, so
+  ranks with different streams don't collapse into one replicated entry; a rank without its own entry (another
+  world size) keeps its freshly seeded RNG.
+- state.json: the step (optimizer steps done, skipped ones included), the data seed (batches are a function
+  of ``(seed, step)``, ``data.sample_batch``), the LR schedule's state, AdamW's param groups
+  (hyper-parameters) and the model's ``TransformerConfig``.
+
+The tensors are saved in the single-process layout: full tensors (``get_state_dict(full_state_dict=True)``
 gathers FSDP2 shards and replicated DTensors) with every expert tensor gathered over expert parallelism
 (``[E, ...]``, EP rank r's rows ``[r * L, (r + 1) * L)``). Every rank then holds identical tensors and DCP
 writes each once; loading slices this rank's experts and lets ``set_state_dict`` re-shard. Gathering under
 the same names matters: EP ranks hold *different* experts under the same parameter name, which DCP would
-otherwise treat as one replicated tensor and keep only one rank's copy. Full tensors on every rank suit
-the model sizes this trainer runs; without a process group DCP runs in its single-process mode.
+otherwise treat as one replicated tensor and keep only one rank's copy.
 
-Besides the model, optimizer, scheduler and step, a checkpoint holds what makes a resumed run continue the
-same trajectory: the data seed (batches are a function of ``(seed, step)``, ``data.sample_batch``) and each
-rank's torch RNG states (CPU, and CUDA when used: router input jitter draws from them), under a per-rank key
-so ranks with different streams don't collapse into one replicated entry. Loaded into another world size, a
-rank without its own entry keeps its freshly seeded RNG.
+Loading checks, in order, before any tensor is read: the manifest (sizes and SHA-256 of every file), the
+architecture (``TransformerConfig`` fields outside ``RESUMABLE_FIELDS`` must be equal unless ``partial``), the
+seed, then the allow-list unpickling of ``.metadata``. A checkpoint with a non-finite weight or moment is never
+written.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,11 +46,23 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from moe_core.config import TransformerConfig
 from moe_core.parallel.collectives import all_gather_first_dim
-from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.parallel.state import expert_param_names
+from moe_core.training import checkpoint_files as files
+from moe_core.training.checkpoint_files import CheckpointError
+from moe_core.training.checkpoint_metadata import VerifiedReader, read_metadata
 
 _OPTIONS = StateDictOptions(full_state_dict=True)
+FORMAT = "moe_core.checkpoint.v1"
+# TransformerConfig fields a checkpoint may be loaded under with other values: the parallel layout and
+# settings of training, not of the function the weights compute. Every other field must match.
+RESUMABLE_FIELDS = frozenset({
+    "seq_length", "init_method_std", "moe_token_dispatcher_type", "moe_router_dtype", "moe_router_bias_update_rate",
+    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
+    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
+    "expert_model_parallel_size", "tensor_model_parallel_size",
+})
 
 
 def _expert_tensors(model_sd: dict, optim_sd: dict, experts: set[str]):
@@ -45,8 +75,7 @@ def _expert_tensors(model_sd: dict, optim_sd: dict, experts: set[str]):
                 yield per_param, key
 
 
-def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                pg_collection: ProcessGroupCollection | None) -> tuple[dict, dict]:
+def _full_state(model, optimizer, pg_collection) -> tuple[dict, dict]:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     if pg_collection is not None and pg_collection.ep_size > 1:
         for sd, key in _expert_tensors(model_sd, optim_sd, expert_param_names(model)):
@@ -54,8 +83,9 @@ def _full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return model_sd, optim_sd
 
 
-def _keep_local_experts(model_sd: dict, optim_sd: dict, experts: set[str], pg_collection: ProcessGroupCollection
-                        ) -> None:
+def _keep_local_experts(model_sd: dict, optim_sd: dict, experts: set[str], pg_collection) -> None:
+    if pg_collection is None or pg_collection.ep_size == 1:
+        return
     size, rank = pg_collection.ep_size, pg_collection.ep_rank
     for sd, key in _expert_tensors(model_sd, optim_sd, experts):
         rows = sd[key].shape[0] // size
@@ -74,40 +104,177 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, step: int,
-                    pg_collection: ProcessGroupCollection | None = None, *, seed: int) -> None:
-    """Write model, optimizer, scheduler, ``step`` (optimizer steps done), the data ``seed`` and this rank's
-    RNG states to the directory ``path``. Collective over all ranks."""
-    model_sd, optim_sd = _full_state(model, optimizer, pg_collection)
-    dcp.save({"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step,
-              "seed": seed, "rng": {_rng_key(): _rng_state()}}, checkpoint_id=path)
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on rank 0 only; its result, or its exception, on every rank (a broadcast), so all ranks leave
+    together and none waits in a later collective for a rank that failed."""
+    if not dist.is_initialized():
+        return fn()
+    outcome: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [(True, fn())]
+        except Exception as e:  # noqa: BLE001 - every rank re-raises it below
+            outcome = [(False, e)]
+    dist.broadcast_object_list(outcome, src=0)
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler,
-                    pg_collection: ProcessGroupCollection | None = None, *, seed: int | None = None) -> int:
-    """Restore what ``save_checkpoint`` wrote (in any layout) into the given objects and this rank's RNG
-    states; returns the step.
+def _shared_over_ranks(items: list[str], fn: Callable[[list[str]], dict]) -> dict:
+    """The union of ``fn(share)`` over the ranks, each rank taking every world-size-th item (file hashing)."""
+    if not dist.is_initialized():
+        return fn(items)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, fn(items[dist.get_rank()::dist.get_world_size()]))
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _check_finite(step: int, model_sd: dict, optim_sd: dict) -> None:
+    tensors = {f"model.{k}": v for k, v in model_sd.items()}
+    tensors.update({f"optim.{n}.{k}": v for n, s in optim_sd["state"].items() for k, v in s.items()})
+    floats = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    if floats and not bool(torch.stack([torch.isfinite(v).all() for v in floats.values()]).all()):
+        bad = next(k for k, v in floats.items() if not bool(torch.isfinite(v).all()))
+        raise RuntimeError(f"save_checkpoint: refusing to save step {step}: {bad} holds NaN or Inf (the previous "
+                           "checkpoint stays the latest)")
+
+
+def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, step: int, pg_collection=None, *,
+                    seed: int, model_config: TransformerConfig | None = None, keep: int = 2) -> Path:
+    """Write the checkpoint of ``step`` (module docstring) to ``save_dir/step_<step>/`` atomically, point
+    ``save_dir/latest`` at it and keep the ``keep`` of the highest steps. Collective over all ranks (which
+    must share the file system). Returns the checkpoint's directory.
 
     Raises:
-        ValueError: ``seed`` is given and differs from the checkpoint's (the resumed run would draw other
-            batches than the saved run).
+        RuntimeError: a weight or optimizer moment is not finite (nothing is written).
+        OSError: the file system refused (the previous checkpoints are untouched).
     """
     model_sd, optim_sd = _full_state(model, optimizer, pg_collection)
-    state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": 0, "seed": 0}
-    saved_keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    rng = _rng_state()
-    # Only the entries this checkpoint has: another world size, or no CUDA when it was saved.
-    rng = {k: v for k, v in rng.items() if f"rng.{_rng_key()}.{k}" in saved_keys}
+    _check_finite(step, model_sd, optim_sd)
+    state = {
+        "format": FORMAT, "step": step, "seed": seed, "scheduler": scheduler.state_dict(),
+        "optimizer_param_groups": optim_sd["param_groups"],
+        "model_config": None if model_config is None else dataclasses.asdict(model_config),
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1, "torch_version": torch.__version__,
+    }
+    state_json = json.dumps(state, indent=1, allow_nan=False).encode()
+    tmp = _on_rank0(lambda: files.prepare_step_dir(save_dir, step))
+    dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}, "rng": {_rng_key(): _rng_state()}},
+             storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    _on_rank0(lambda: files.write_durably(tmp / files.STATE, state_json))
+    digests = _shared_over_ranks(sorted(p.name for p in tmp.iterdir()), lambda names: files.digest_files(tmp, names))
+
+    def finish() -> Path:
+        manifest = json.dumps({"format": FORMAT, "files": dict(sorted(digests.items()))}, indent=1).encode()
+        files.write_durably(tmp / files.MANIFEST, manifest)
+        return files.publish(tmp, keep)
+
+    return _on_rank0(finish)
+
+
+def architecture_differences(saved: dict | None, current: TransformerConfig | None) -> dict[str, tuple]:
+    """``{field: (checkpoint's value, current value)}`` of the fields outside ``RESUMABLE_FIELDS`` that differ;
+    empty when either config is unknown. A field the checkpoint predates counts with its default."""
+    if saved is None or current is None:
+        return {}
+    diffs = {}
+    for field in dataclasses.fields(current):
+        if field.name in RESUMABLE_FIELDS:
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else None
+        before, now = saved.get(field.name, default), getattr(current, field.name)
+        if before != now:
+            diffs[field.name] = (before, now)
+    return diffs
+
+
+def _restore_tuples(saved_groups: list[dict], live_groups: list[dict], where: Path) -> list[dict]:
+    """AdamW's param groups from JSON, with lists back to tuples where the live optimizer has tuples (betas)."""
+    if len(saved_groups) != len(live_groups):
+        raise CheckpointError(f"load: {where} has {len(saved_groups)} optimizer param groups, the optimizer "
+                              f"{len(live_groups)}")
+    return [{k: tuple(v) if isinstance(live.get(k), tuple) else v for k, v in saved.items()}
+            for saved, live in zip(saved_groups, live_groups, strict=True)]
+
+
+def _read_state(directory: Path, manifest: dict) -> dict:
+    """Verify every file against the manifest (split over the ranks), then parse state.json."""
+    def check(names: list[str]) -> dict[str, list[str]]:
+        return {name: found for name in names if (found := files.check_files(directory, {name: manifest[name]}))}
+
+    problems = _shared_over_ranks(sorted(manifest), check)
+    if problems:
+        raise CheckpointError(f"load: {directory} is corrupt: " + "; ".join(m for ms in problems.values() for m in ms))
+    try:
+        state = json.loads((directory / files.STATE).read_text())
+    except ValueError as e:
+        raise CheckpointError(f"load: {directory / files.STATE} is not JSON: {e}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"load: {directory / files.STATE} is not a {FORMAT} state")
+    return state
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, pg_collection=None, *,
+                    seed: int | None = None, model_config: TransformerConfig | None = None, partial: bool = False,
+                    log: Callable[[str], None] | None = None) -> int:
+    """Restore what ``save_checkpoint`` wrote (in any layout) into the given objects and this rank's RNG
+    states; returns the step to continue from.
+
+    Args:
+        path: a save directory (its ``latest``, or its newest complete checkpoint when ``latest`` is unusable)
+            or one ``step_<N>/`` directory.
+        seed: the run's data seed, checked against the checkpoint's (None: not checked).
+        model_config: the run's architecture, checked against the checkpoint's (None: not checked).
+        partial: load only the model tensors whose names and full shapes match, whatever the architecture;
+            the optimizer, schedule, RNG and step stay fresh and the return value is 0.
+        log: receives notes (a ``latest`` that could not be followed, what a partial load skipped).
+    Raises:
+        CheckpointError (a ValueError): no complete checkpoint, a missing or corrupt file (named), an unsafe
+            ``.metadata``, another architecture (naming the fields) without ``partial``, or another seed.
+    """
+    log = log or (lambda _msg: None)
+    directory, note = files.resolve_checkpoint(path)
+    if note:
+        log(f"load: {note}")
+    manifest = files.read_manifest(directory)
+    state = _read_state(directory, manifest)
+    diffs = architecture_differences(state.get("model_config"), model_config)
+    if diffs and not partial:
+        listed = ", ".join(f"{k}: {saved!r} in the checkpoint, {now!r} now" for k, (saved, now) in diffs.items())
+        raise CheckpointError(f"load: {directory} holds another architecture ({listed}); pass load_partial "
+                              "(--load-partial) to load the matching weights only")
+    metadata = read_metadata(directory, set(manifest))
+    reader = VerifiedReader(directory, metadata)
+    model_sd, optim_sd = _full_state(model, optimizer, pg_collection)
+    experts = expert_param_names(model)
+    if partial:
+        saved = metadata.state_dict_metadata
+        matching = {k: v for k, v in model_sd.items()
+                    if f"model.{k}" in saved and tuple(saved[f"model.{k}"].size) == tuple(v.shape)}
+        dcp.load({"model": matching}, storage_reader=reader)
+        model_sd.update(matching)
+        _keep_local_experts(model_sd, {"state": {}}, experts, pg_collection)
+        set_model_state_dict(model, model_sd, options=_OPTIONS)
+        skipped = sorted(set(model_sd) - set(matching))
+        log(f"load: partial load of {directory}: {len(matching)} of {len(model_sd)} tensors; kept fresh: "
+            f"{skipped or 'none'}; architecture differences: {diffs or 'none'}")
+        return 0
+    if seed is not None and state.get("seed") != seed:
+        raise CheckpointError(f"seed: the checkpoint in {directory} was trained with seed {state.get('seed')}, "
+                              f"got {seed}")
+    tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+    # Only the RNG entries this checkpoint has: another world size, or no CUDA when it was saved.
+    rng = {k: v for k, v in _rng_state().items() if f"rng.{_rng_key()}.{k}" in metadata.state_dict_metadata}
     if rng:
-        state["rng"] = {_rng_key(): rng}
-    dcp.load(state, checkpoint_id=path)
-    if seed is not None and int(state["seed"]) != seed:
-        raise ValueError(f"seed: the checkpoint in {path} was trained with seed {state['seed']}, got {seed}")
-    model_sd, optim_sd = state["model"], state["optim"]
-    if pg_collection is not None and pg_collection.ep_size > 1:
-        _keep_local_experts(model_sd, optim_sd, expert_param_names(model), pg_collection)
+        tensors["rng"] = {_rng_key(): rng}
+    dcp.load(tensors, storage_reader=reader)
+    groups = _restore_tuples(state["optimizer_param_groups"], optim_sd["param_groups"], directory)
+    optim_sd = {"state": tensors["optim"]["state"], "param_groups": groups}
+    _keep_local_experts(model_sd, optim_sd, experts, pg_collection)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
     scheduler.load_state_dict(state["scheduler"])
     if "cpu" in rng:
@@ -117,20 +284,46 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     return int(state["step"])
 
 
-def load_model_weights(path: str, model: torch.nn.Module, pg_collection=None) -> None:
-    """Restore only the model's weights from a ``save_checkpoint`` directory (Megatron's ``--finetune``): the
-    optimizer, schedule, step, seed and RNG states stay fresh. Any process layout, like ``load_checkpoint``."""
+def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_collection=None, *,
+                       model_config: TransformerConfig | None = None,
+                       log: Callable[[str], None] | None = None) -> None:
+    """Restore only the model's weights from a checkpoint (Megatron's ``--finetune``): the optimizer, schedule,
+    step, seed and RNG states stay fresh. Any process layout, like ``load_checkpoint``, and the same checks
+    (manifest, allow-listed ``.metadata``, the architecture when ``model_config`` is given).
+
+    Raises:
+        CheckpointError (a ValueError): as ``load_checkpoint``; also a weight the checkpoint lacks.
+    """
+    log = log or (lambda _msg: None)
+    directory, note = files.resolve_checkpoint(path)
+    if note:
+        log(f"load: {note}")
+    manifest = files.read_manifest(directory)
+    state = _read_state(directory, manifest)
+    diffs = architecture_differences(state.get("model_config"), model_config)
+    if diffs:
+        listed = ", ".join(f"{k}: {saved!r} in the checkpoint, {now!r} now" for k, (saved, now) in diffs.items())
+        raise CheckpointError(f"load: {directory} holds another architecture ({listed})")
+    metadata = read_metadata(directory, set(manifest))
     model_sd = get_model_state_dict(model, options=_OPTIONS)
-    no_optim = {"state": {}}
     experts = expert_param_names(model)
+    no_optim = {"state": {}}
     if pg_collection is not None and pg_collection.ep_size > 1:
         for sd, key in _expert_tensors(model_sd, no_optim, experts):
             sd[key] = all_gather_first_dim(sd[key].contiguous(), pg_collection.ep)
-    state = {"model": model_sd}
-    dcp.load(state, checkpoint_id=path)
-    if pg_collection is not None and pg_collection.ep_size > 1:
-        _keep_local_experts(state["model"], no_optim, experts, pg_collection)
-    set_model_state_dict(model, state["model"], options=_OPTIONS)
+    missing = sorted(k for k in model_sd if f"model.{k}" not in metadata.state_dict_metadata)
+    if missing:
+        raise CheckpointError(f"load: {directory} lacks the weights {missing}")
+    dcp.load({"model": model_sd}, storage_reader=VerifiedReader(directory, metadata))
+    _keep_local_experts(model_sd, no_optim, experts, pg_collection)
+    set_model_state_dict(model, model_sd, options=_OPTIONS)
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights"]
+def check_save_dir(save_dir: str | os.PathLike) -> None:
+    """Raise ``ValueError`` at start-up, on rank 0 and then every rank, when ``save_dir`` is not writable."""
+    _on_rank0(lambda: files.check_writable(save_dir))
+
+
+__all__ = ["save_checkpoint", "load_checkpoint", "load_model_weights", "check_save_dir", "architecture_differences",
+           "CheckpointError",
+           "RESUMABLE_FIELDS"]

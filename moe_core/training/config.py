@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from moe_core.config import check_number, load_yaml
+
+DECODE_ERRORS = ("strict", "replace", "ignore", "backslashreplace")
 
 
 @dataclass(kw_only=True)
@@ -40,14 +45,26 @@ class TrainingConfig:
     eval_iters: int = 10
     """Validation batches (of micro_batch_size * data-parallel size sequences) per evaluation."""
     save: str | None = None
-    """Checkpoint directory (torch.distributed.checkpoint); written at the end and every save_interval."""
+    """Checkpoint directory: each checkpoint goes to save/step_<N>/, written at the end and every save_interval
+    (``moe_core.training.checkpoint``); checked for writability at start-up."""
     save_interval: int | None = None
     """Steps between checkpoints; None: only at the end."""
+    save_keep: int = 2
+    """Checkpoints kept in ``save`` (those of the highest steps); older ones are deleted after each save."""
     load: str | None = None
-    """Checkpoint directory to resume from (same seed and schedule: the run continues the saved trajectory)."""
+    """Checkpoint to resume from: a ``save`` directory (its latest complete checkpoint) or one step_<N>/
+    directory (same seed and schedule: the run continues the saved trajectory)."""
+    load_partial: bool = False
+    """Load only the model weights whose names and shapes match, even from another architecture; the optimizer,
+    schedule, RNG and step start afresh (step 0)."""
+    max_skipped_steps: int = 10
+    """Steps skipped for a non-finite loss or gradient norm after which the run stops with an error."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of every collective (Megatron's --distributed-timeout-minutes): a stuck or stopped rank makes
+    the others fail with an error instead of hanging."""
     finetune: bool = False
     """With ``load``: take the model's weights only and start at step 0 with a fresh optimizer and schedule
-    (Megatron's --finetune; e.g. from ``tools/hf_checkpoint.py import``)."""
+    (Megatron's --finetune; e.g. from ``tools/hf_checkpoint.py import``). The architecture must match."""
     exit_interval: int | None = None
     """Stop (evaluate, save) after the first step that is a multiple of this; the LR schedule still spans
     train_iters, so a later --load continues the same run (Megatron's --exit-interval)."""
@@ -55,6 +72,9 @@ class TrainingConfig:
     """Seed of the initialisation and of every batch (batches are a function of seed and step)."""
     data_path: list[str] | None = None
     """Text or JSONL files; None: the Python standard library's .py sources."""
+    data_encoding: str = "utf-8"
+    """Codec of the data files, optionally ``codec:errors`` (PYTHONIOENCODING's form) with errors one of
+    DECODE_ERRORS; plain ``codec`` decodes strictly: an undecodable byte is an error naming file and line."""
     tokenizer: str | None = None
     """A Hugging Face tokenizer.json; None: bytes (vocab 256)."""
     output_dir: str = "runs/default"
@@ -76,7 +96,10 @@ class TrainingConfig:
             _check_int(name, getattr(self, name), optional=True)
         _check_int("seed", self.seed, optional=False, minimum=0)
         _check_int("lr_warmup_iters", self.lr_warmup_iters, optional=False, minimum=0)
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+        _check_int("save_keep", self.save_keep, optional=False)
+        _check_int("max_skipped_steps", self.max_skipped_steps, optional=False, minimum=0)
+        self._check_floats()
+        if self.min_lr > self.lr:
             raise ValueError(
                 f"lr, min_lr: expected 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}"
             )
@@ -84,14 +107,41 @@ class TrainingConfig:
             raise ValueError(
                 f"lr_warmup_iters: expected 0..train_iters ({self.train_iters}), got {self.lr_warmup_iters}"
             )
-        if self.clip_grad < 0:
-            raise ValueError(f"clip_grad: expected >= 0, got {self.clip_grad}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay: expected >= 0, got {self.weight_decay}")
         if self.finetune and not self.load:
             raise ValueError("finetune: expected a checkpoint to take the weights from (load), got load=None")
         if isinstance(self.data_path, str):
             self.data_path = [self.data_path]
+        self.decode_args()
+
+    def _check_floats(self) -> None:
+        """Every float finite and in its range (NaN would, e.g., silently turn clipping off)."""
+        positive = {"low": 0.0, "low_open": True}
+        non_negative = {"low": 0.0}
+        beta = {"low": 0.0, "high": 1.0, "high_open": True}
+        ranges = {"lr": positive, "min_lr": non_negative, "weight_decay": non_negative, "adam_beta1": beta,
+                  "adam_beta2": beta, "adam_eps": positive, "clip_grad": non_negative,
+                  "distributed_timeout_minutes": positive}
+        for name, bounds in ranges.items():
+            setattr(self, name, check_number(name, getattr(self, name), **bounds))
+
+    def decode_args(self) -> tuple[str, str]:
+        """``(codec, errors)`` of ``data_encoding``, for ``bytes.decode``.
+
+        Raises:
+            ValueError: an unknown codec or an errors policy not in DECODE_ERRORS.
+        """
+        if not isinstance(self.data_encoding, str):
+            raise TypeError(f"data_encoding: expected a str, got {type(self.data_encoding).__name__}")
+        codec, _, errors = self.data_encoding.partition(":")
+        errors = errors or "strict"
+        try:
+            codecs.lookup(codec)
+        except LookupError:
+            raise ValueError(f"data_encoding: unknown codec {codec!r} in {self.data_encoding!r}") from None
+        if errors not in DECODE_ERRORS:
+            raise ValueError(f"data_encoding: expected 'codec' or 'codec:errors' with errors one of {DECODE_ERRORS}, "
+                             f"got {self.data_encoding!r}")
+        return codec, errors
 
     def num_micro_batches(self, dp_size: int) -> int:
         """Gradient-accumulation steps for ``dp_size`` data-parallel ranks.
@@ -111,9 +161,7 @@ class TrainingConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> TrainingConfig:
         """The ``training:`` section of ``path`` (missing: defaults), then non-None ``overrides``."""
-        import yaml
-
-        values = dict((yaml.safe_load(Path(path).read_text()) or {}).get("training", {}))
+        values = dict(load_yaml(path).get("training", {}))
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:

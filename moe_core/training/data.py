@@ -1,7 +1,9 @@
 """Pretraining data: documents -> one token stream per split -> random windows, sharded by data-parallel rank.
 
 The default corpus is text every machine has: the ``.py`` sources of the running Python's standard library
-(tests and site-packages excluded), split into train and validation by file.
+(tests and site-packages excluded), split into train and validation by file. A corpus of one document is
+split inside it: the last VALID_PERCENT % of its tokens (bytes with the byte tokenizer) are the validation
+split.
 """
 
 from __future__ import annotations
@@ -35,13 +37,32 @@ def is_validation(name: str) -> bool:
     return int(hashlib.sha1(name.encode()).hexdigest(), 16) % 100 < VALID_PERCENT
 
 
-def read_documents(paths: list[Path]) -> list[tuple[str, str]]:
-    """``(name, text)`` per document: a text file is one document, a ``.jsonl`` file one per line (its
-    ``"text"`` field). ``name`` is the file's path relative to the files' common parent directory (``:line``
-    appended for JSONL), so the split does not change when the corpus moves.
+def read_text(path: Path, encoding: str = "utf-8", errors: str = "strict") -> str:
+    """The file decoded with ``bytes.decode(encoding, errors)``.
 
     Raises:
-        ValueError: a JSONL line is not an object with a string ``"text"`` field.
+        ValueError: under ``errors="strict"``, a byte that does not decode; names the file, line and byte.
+    """
+    data = path.read_bytes()
+    try:
+        return data.decode(encoding, errors)
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"data_path: {path}:{line}: byte {e.start} ({data[e.start:e.start + 1]!r}) is not valid {encoding} "
+            f"({e.reason}); pass --data-encoding with the files' codec, or {encoding}:replace to replace "
+            "undecodable bytes with U+FFFD"
+        ) from None
+
+
+def read_documents(paths: list[Path], encoding: str = "utf-8", errors: str = "strict") -> list[tuple[str, str]]:
+    """``(name, text)`` per document: a text file is one document, a ``.jsonl`` file one per line (its
+    ``"text"`` field). ``name`` is the file's path relative to the files' common parent directory (``:line``
+    appended for JSONL), so the split does not change when the corpus moves. Files are decoded by ``read_text``.
+
+    Raises:
+        ValueError: a byte does not decode (strict ``errors``), or a JSONL line is not JSON or not an object
+            with a string ``"text"`` field; the message names the file and line.
     """
     # Absolute, not resolved: a symlinked file (Debian links some stdlib modules into /etc) keeps its name.
     absolute = [Path(os.path.abspath(p)) for p in paths]
@@ -49,27 +70,40 @@ def read_documents(paths: list[Path]) -> list[tuple[str, str]]:
     docs = []
     for path in absolute:
         name = path.relative_to(root).as_posix()
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_text(path, encoding, errors)
         if path.suffix != ".jsonl":
             docs.append((name, text))
             continue
         for i, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"data_path: {path}:{i}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise ValueError(f"data_path: {path}:{i}: expected a JSON object with a string 'text' field")
             docs.append((f"{name}:{i}", record["text"]))
     return docs
 
 
-def build_token_streams(data_path: list[str] | None, tokenizer) -> dict[str, np.ndarray]:
-    """``{"train": tokens, "valid": tokens}``, each the split's documents encoded and concatenated.
+def build_token_streams(data_path: list[str] | None, tokenizer, encoding: str = "utf-8",
+                        errors: str = "strict") -> dict[str, np.ndarray]:
+    """``{"train": tokens, "valid": tokens}``, each the split's documents encoded and concatenated; one
+    document is split by tokens (module docstring). ``encoding`` / ``errors``: see ``read_text``.
 
     Raises:
-        ValueError: a split is empty (too few documents to hold out a validation file).
+        ValueError: no documents, a document too short to split, or a ``read_documents`` error.
     """
-    docs = read_documents(stdlib_sources() if data_path is None else [Path(p) for p in data_path])
+    paths = stdlib_sources() if data_path is None else [Path(p) for p in data_path]
+    docs = read_documents(paths, encoding, errors)
+    if len(docs) == 1:
+        tokens = tokenizer.encode(docs[0][1])
+        cut = len(tokens) * (100 - VALID_PERCENT) // 100
+        if cut == 0 or cut == len(tokens):
+            raise ValueError(f"data_path: {docs[0][0]} has {len(tokens)} tokens, too few to split into train and "
+                             "validation")
+        return {"train": tokens[:cut], "valid": tokens[cut:]}
     splits: dict[str, list[str]] = {"train": [], "valid": []}
     for name, text in docs:
         splits["valid" if is_validation(name) else "train"].append(text)
@@ -113,4 +147,5 @@ def shard_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return batch[rank * per_rank:(rank + 1) * per_rank]
 
 
-__all__ = ["stdlib_sources", "is_validation", "read_documents", "build_token_streams", "sample_batch", "shard_rows"]
+__all__ = ["stdlib_sources", "is_validation", "read_text", "read_documents", "build_token_streams", "sample_batch",
+           "shard_rows"]

@@ -4,6 +4,11 @@ Loss accounting (Megatron's calculate_per_token_loss): each micro-batch contribu
 ``sum(per-token loss) / tokens in the global batch``, so the accumulated gradient is the gradient of the
 global batch's mean loss whatever the micro-batch and rank layout.
 
+Non-finite steps (Megatron's skipped iterations): when the global loss or the global gradient norm is NaN or
+infinite, the step leaves the weights, AdamW's moments, the LR schedule and the expert biases as they were and
+only drops the gradients. Both values are reduced over all ranks before the test, so every rank takes the same
+branch and issues the same collectives.
+
 Under torchrun every rank is a data-parallel rank (``moe_core.parallel``): experts are split over
 ``expert_model_parallel_size`` ranks and the model is wrapped with FSDP2 (``use_torch_fsdp2``) or DDP, both
 summing gradients (dense over DP, experts over expert-DP). The model starts from the single-process
@@ -24,9 +29,11 @@ from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
+from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
 from moe_core.parallel.grad_clip import clip_grad_norm_
+from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.parallel.state import load_full_state_dict
 from moe_core.training.config import TrainingConfig
@@ -159,37 +166,53 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
     )
 
 
-def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward over this rank's micro-batches, clip, AdamW step, LR step, router updates.
+def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Forward and backward over this rank's micro-batches, clip, then (unless skipped) AdamW step, LR step
+    and expert-bias update.
 
     Args:
         inputs / labels: ``[num_micro_batches * micro_batch_size, S]`` int64, this rank's rows of the
             global batch (on any device).
     Returns:
-        ``(loss, grad_norm)``, 0-dim tensors on ``state.device`` without a host sync: this rank's share of
-        the global batch's mean loss (sum over ranks for the loss) and the global gradient norm before clipping.
+        ``(loss, grad_norm, skipped)``: the global batch's mean loss and the global gradient norm before
+        clipping (0-dim tensors on ``state.device``, equal on all ranks), and whether the step was skipped for
+        a non-finite loss or norm (module docstring); deciding it is the step's one host sync.
+    Raises:
+        CollectiveError: a collective of the step did not complete (a stuck, stopped or dead rank).
     """
     model, pg = state.model, state.pg_collection
     step_loss = torch.zeros((), device=state.device)
     micro_batches = zip(inputs.split(state.micro_batch_size), labels.split(state.micro_batch_size), strict=True)
-    for micro_inputs, micro_labels in micro_batches:
-        with state.autocast():
-            per_token = model(micro_inputs.to(state.device), micro_labels.to(state.device))
-        loss = per_token.sum() / state.tokens_per_step  # tokens_per_step counts every rank's tokens
-        loss.backward()
+    for i, (micro_inputs, micro_labels) in enumerate(micro_batches):
+        # Names the collectives the wrappers issue inside (FSDP2 all-gathers, gradient reductions); the MoE
+        # all-to-alls name themselves.
+        with named_collective(f"in micro-batch {i}'s forward or backward (FSDP2/DDP parameter all-gather or "
+                              "gradient reduction)"):
+            with state.autocast():
+                per_token = model(micro_inputs.to(state.device), micro_labels.to(state.device))
+            loss = per_token.sum() / state.tokens_per_step  # tokens_per_step counts every rank's tokens
+            loss.backward()
         step_loss += loss.detach()
+    step_loss = reduce_loss_for_logging(step_loss, None if pg is None else pg.dp)
     # One global norm over dense (DP mesh) and expert (expert-DP mesh) gradients, one all-reduce.
     grad_norm = clip_grad_norm_(state.dense_params, state.expert_params, state.max_norm, pg)
-    state.optimizer.step()
-    state.scheduler.step()
+    skipped = not bool(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
+    if not skipped:
+        state.optimizer.step()
+        state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
     for layer in model.moe_layers():
-        if pg is not None:
-            # Expert-bias updates must see the global batch's loads so the bias stays equal on all ranks.
-            dist.all_reduce(layer.router.local_tokens_per_expert, group=pg.dp)
-        layer.router.update_expert_bias()
+        if skipped:
+            layer.router.local_tokens_per_expert.zero_()  # the loads of a step that does not count
+        else:
+            if pg is not None:
+                # Expert-bias updates must see the global batch's loads so the bias stays equal on all ranks.
+                with named_collective("all_reduce (tokens per expert)", pg.dp):
+                    dist.all_reduce(layer.router.local_tokens_per_expert, group=pg.dp)
+            layer.router.update_expert_bias()
         layer.router.reset_global_aux_loss_tracker()
-    return step_loss, grad_norm
+    return step_loss, grad_norm, skipped
 
 
 __all__ = ["TrainingState", "build_model", "build_optimizer", "setup_training", "train_step", "training_device"]

@@ -22,9 +22,14 @@ class HFTokenizer:
     unit = "token"
 
     def __init__(self, path: str):
+        """Raises ``ValueError`` naming ``path`` (and the line and column the parser gives) when the file is
+        missing or not a valid tokenizer.json."""
         from tokenizers import Tokenizer
 
-        self._tokenizer = Tokenizer.from_file(path)
+        try:
+            self._tokenizer = Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 - the Rust parser raises a bare Exception
+            raise ValueError(f"tokenizer: {path}: not a loadable Hugging Face tokenizer.json ({e})") from None
         self.vocab_size = self._tokenizer.get_vocab_size()
 
     def encode(self, text: str) -> np.ndarray:

@@ -6,6 +6,10 @@ adds the data, evaluation, logging and checkpoints around it. Rank 0 logs.
 Resuming (``load``): batches are a function of ``(seed, step)`` and the checkpoint restores the model,
 AdamW, the LR schedule, the step and the RNG states, so N steps, save, load and N more give the losses of 2N
 steps straight (``exit_interval`` stops the first half without shortening the schedule).
+
+Non-finite steps: ``train_step`` skips a step whose loss or gradient norm is NaN or Inf; the loop logs each
+one with the count so far and stops with ``TrainingDivergedError`` once more than ``max_skipped_steps`` were
+skipped. Weights are never stepped with non-finite gradients and a checkpoint never holds non-finite values.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
-from moe_core.training.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+from moe_core.training.checkpoint import check_save_dir, load_checkpoint, load_model_weights, save_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.data import build_token_streams, sample_batch, shard_rows
 from moe_core.training.metrics import MetricsWriter
@@ -33,6 +37,10 @@ from moe_core.training.tokenizer import build_tokenizer
 # wins: the PCIe H100 before the SXM one.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100 PCIe": 756.0, "H100": 989.0, "A100": 312.0}
 _VALID_SEED_OFFSET = 1_000_003
+
+
+class TrainingDivergedError(RuntimeError):
+    """More than ``max_skipped_steps`` steps had a non-finite loss or gradient norm."""
 
 
 @dataclass
@@ -108,12 +116,14 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
     is_logger = pg is None or dist.get_rank() == 0
     if not is_logger:
         log = _silent
+    if cfg.save:
+        check_save_dir(cfg.save)  # fail now, not at the first save after hours of training
     tokenizer = build_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(
             f"vocab_size: the tokenizer has {tokenizer.vocab_size} tokens, the model only {model_config.vocab_size}"
         )
-    streams = build_token_streams(cfg.data_path, tokenizer)
+    streams = build_token_streams(cfg.data_path, tokenizer, *cfg.decode_args())
     state = setup_training(model_config, cfg, pg)
     if pg is not None:
         log(f"parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), EP {pg.ep_size}, expert-DP "
@@ -126,9 +136,10 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
         f"corpus: {len(streams['train']):,} train / {len(streams['valid']):,} valid {tokenizer.unit}s")
     start_step = 0
     if cfg.load and cfg.finetune:
-        load_model_weights(cfg.load, state.model, pg)
+        load_model_weights(cfg.load, state.model, pg, model_config=model_config, log=log)
     elif cfg.load:
-        start_step = load_checkpoint(cfg.load, state.model, state.optimizer, state.scheduler, pg, seed=cfg.seed)
+        start_step = load_checkpoint(cfg.load, state.model, state.optimizer, state.scheduler, pg, seed=cfg.seed,
+                                     model_config=model_config, partial=cfg.load_partial, log=log)
     if start_step > cfg.train_iters:
         raise ValueError(f"train_iters ({cfg.train_iters}) is below the step of the checkpoint in {cfg.load} "
                          f"({start_step})")
@@ -138,7 +149,7 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
 
     seq = model_config.seq_length
     global_batch = state.tokens_per_step // seq
-    resumed = cfg.load and not cfg.finetune
+    resumed = cfg.load and not (cfg.finetune or cfg.load_partial)
     writer = (MetricsWriter(cfg.output_dir, cfg.tensorboard_dir, resume_step=start_step if resumed else None)
               if is_logger else _NoWriter())
     t_start = time.perf_counter()
@@ -147,6 +158,7 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
     log(f"step {start_step}: validation loss {start_valid:.4f}")
 
     train_losses = []
+    skipped_steps = 0
     state.model.train()
     t_log, steps_since_log = time.perf_counter(), 0
     bar = tqdm(range(start_step, end_step), desc="pretrain", unit="step", dynamic_ncols=True, mininterval=2.0,
@@ -155,16 +167,27 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
         inputs, labels = sample_batch(streams["train"], global_batch, seq, cfg.seed, step)
         inputs, labels = shard_rows(inputs, state.dp_rank, state.dp_size), shard_rows(labels, state.dp_rank,
                                                                                        state.dp_size)
-        step_loss, grad_norm = train_step(state, inputs, labels)
-        loss_value = reduce_loss_for_logging(step_loss, None if pg is None else pg.dp).item()
+        step_loss, grad_norm, skipped = train_step(state, inputs, labels)
+        loss_value = step_loss.item()
         train_losses.append(loss_value)
         steps_since_log += 1
         done = step + 1
+        if skipped:
+            skipped_steps += 1
+            log(f"step {done}: skipped, loss {loss_value} and gradient norm {grad_norm.item()} must be finite; "
+                f"{skipped_steps} skipped in this run (max_skipped_steps {cfg.max_skipped_steps})")
+            if skipped_steps > cfg.max_skipped_steps:
+                raise TrainingDivergedError(
+                    f"training diverged: {skipped_steps} steps had a non-finite loss or gradient norm, more than "
+                    f"max_skipped_steps ({cfg.max_skipped_steps}); stopped at step {done} without saving (the "
+                    "last checkpoint holds finite weights)"
+                )
         if done % cfg.log_interval == 0 or done == end_step:
             tokens_per_second = steps_since_log * state.tokens_per_step / (time.perf_counter() - t_log)
             # "lr": the rate the next step will use (what Megatron logs), min_lr after the last step.
             metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": state.scheduler.get_last_lr()[0],
-                       "tokens_per_second": tokens_per_second, **router_losses(state.model),
+                       "tokens_per_second": tokens_per_second, "skipped_steps": skipped_steps,
+                       **router_losses(state.model),
                        **expert_load_stats(state.model)}
             utilisation = mfu(whole.flops_per_token(), tokens_per_second / state.dp_size, state.device)
             if utilisation is not None:
@@ -176,13 +199,15 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
         if cfg.eval_interval and done % cfg.eval_interval == 0 and done != end_step:
             writer.log(done, {"valid_loss": evaluate(state, streams["valid"], cfg, seq)})
         if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != end_step:
-            save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, done, pg, seed=cfg.seed)
+            save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, done, pg, seed=cfg.seed,
+                            model_config=model_config, keep=cfg.save_keep)
         t_log += time.perf_counter() - t_pause  # tokens/s counts training time only
     bar.close()
     end_valid = evaluate(state, streams["valid"], cfg, seq)
     writer.log(end_step, {"valid_loss": end_valid})
     if cfg.save:
-        save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, end_step, pg, seed=cfg.seed)
+        save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, end_step, pg, seed=cfg.seed,
+                        model_config=model_config, keep=cfg.save_keep)
     png = writer.close(f"{model_config.num_layers} layers, hidden {model_config.hidden_size}")
     seconds = time.perf_counter() - t_start
     log(f"validation loss: start {start_valid:.3f}, end {end_valid:.3f} nats per {tokenizer.unit}")
@@ -205,4 +230,4 @@ class _NoWriter:
         return None
 
 
-__all__ = ["pretrain", "RunSummary", "evaluate", "expert_load_stats", "router_losses", "mfu"]
+__all__ = ["pretrain", "RunSummary", "TrainingDivergedError", "evaluate", "expert_load_stats", "router_losses", "mfu"]

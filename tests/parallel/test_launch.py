@@ -69,3 +69,49 @@ def test_harness_reports_a_rank_error():
 
     with pytest.raises(RankFailure, match="(?s)rank 1.*KeyError: 'boom on rank 1'"):
         run_distributed(2, _rank1_raises)
+
+
+def _subgroup_times_out() -> float:
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    from moe_core.parallel.collective_errors import CollectiveError, named_collective
+    from tests.parallel._launch import device
+
+    pool_timeout = dist.group.WORLD._get_backend(device()).options._timeout
+    pg = init_distributed(2, num_moe_experts=4, timeout=datetime.timedelta(seconds=2))
+    try:
+        if dist.get_rank() != 0:
+            return 0.0
+        start = time.monotonic()
+        with pytest.raises(CollectiveError, match=r"rank 0: collective all_reduce \(test\) over ranks \[0, 1\] did"):
+            with named_collective("all_reduce (test)", pg.ep):
+                x = torch.ones(1, device=device())
+                dist.all_reduce(x, group=pg.ep)  # rank 1 never joins
+                x.cpu()
+        return time.monotonic() - start
+    finally:
+        _set_pg_timeout(pool_timeout, None)  # the pool's default group keeps its own timeout
+
+
+def test_init_distributed_timeout_reaches_the_expert_groups():
+    """DeviceMesh builds the EP groups with torch's default timeout (30 min on gloo): init_distributed sets its
+    own on them, so rank 0 fails in seconds when its EP peer never joins."""
+    from tests.parallel._launch import BACKEND, run_distributed
+
+    if BACKEND != "gloo":
+        pytest.skip("NCCL aborts the communicator on a timeout")
+    waited = run_distributed(4, _subgroup_times_out, timeout=60)[0]
+    assert waited < 15
+
+
+def test_timeout_must_be_positive(monkeypatch):
+    import datetime
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="timeout: expected a positive timedelta"):
+        init_distributed(1, timeout=datetime.timedelta(0))

@@ -73,7 +73,8 @@ def test_smoke_writes_metrics_tensorboard_png_and_checkpoint(tmp_path, corpus, c
     assert ("mfu" in train_lines[0]) == (mfu(1.0, 1.0, device) is not None)
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "ckpt" / ".metadata").exists()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step_4\n"
+    assert {p.name for p in (tmp_path / "ckpt" / "step_4").iterdir()} >= {".metadata", "state.json", "manifest.json"}
 
 
 def test_resume_gives_the_same_losses(tmp_path, corpus):

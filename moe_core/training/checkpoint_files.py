@@ -1,0 +1,202 @@
+"""The files of a checkpoint directory: step_<N>/ layout, atomic publication, ``latest``, rotation, manifest.
+
+    save/
+        latest                 "step_<N>": the newest complete checkpoint, replaced by a rename
+        step_<N>/              one complete checkpoint
+            .metadata          DCP's index of the tensors (a pickle, read by checkpoint_metadata)
+            __<r>_0.distcp     DCP's tensor data, one file per rank
+            state.json         the non-tensor state (step, seed, schedule, AdamW's hyper-parameters, config)
+            manifest.json      size and SHA-256 of every other file, written last
+        step_<N>.tmp/          a checkpoint being written, or left by a crash: never loaded, deleted by the
+                               next save
+
+Publication: everything is written and fsynced in step_<N>.tmp/ (manifest last), the directory is renamed
+to step_<N>/ and ``latest`` is replaced through a rename of its own, each rename followed by an fsync of the
+parent directory. A process killed at any point leaves the previous checkpoint and ``latest`` intact. The
+manifest detects corruption (a truncated or changed file); it is no signature: whoever can write the files
+can rewrite it too, so loading never trusts the files' contents to be benign (checkpoint_metadata).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+STATE = "state.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"step_(\d+)")
+_TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that must not be loaded: missing, incomplete, corrupt, unsafe or of another architecture."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (the directory entry is made durable by the caller)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def digest_files(directory: Path, names: list[str]) -> dict[str, dict]:
+    """``{name: {"bytes": size, "sha256": hex}}`` of the files ``names`` in ``directory``."""
+    return {name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
+            for name in names}
+
+
+def check_files(directory: Path, expected: dict[str, dict]) -> list[str]:
+    """One message per file of ``expected`` (``digest_files``'s form) that is missing or differs."""
+    problems = []
+    for name, want in expected.items():
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif path.stat().st_size != want["bytes"]:
+            problems.append(f"{path} has {path.stat().st_size} bytes, the manifest says {want['bytes']}")
+        elif sha256_file(path) != want["sha256"]:
+            problems.append(f"{path} does not match its SHA-256 in the manifest (the file changed after the save)")
+    return problems
+
+
+def read_manifest(directory: Path) -> dict[str, dict]:
+    """The manifest's ``{name: {"bytes", "sha256"}}``.
+
+    Raises:
+        CheckpointError: no manifest (not a complete checkpoint) or one that is not a manifest.
+    """
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"load: {directory} has no {MANIFEST}: not a complete checkpoint")
+    try:
+        files = json.loads(path.read_text())["files"]
+        ok = isinstance(files, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+            and "/" not in k and k not in (".", "..") for k, v in files.items())
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"load: {path} is corrupt (expected JSON {{'files': {{name: {{bytes, sha256}}}}}})")
+    for required in (".metadata", STATE):
+        if required not in files:
+            raise CheckpointError(f"load: {path} does not list {required}")
+    return files
+
+
+def prepare_step_dir(save_dir: str | os.PathLike, step: int) -> Path:
+    """Create ``save_dir`` and an empty ``step_<step>.tmp/`` in it, deleting what earlier crashes left there."""
+    save_dir = Path(save_dir)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    for stale in save_dir.glob(f"step_*{_TMP_SUFFIX}"):
+        shutil.rmtree(stale)
+    tmp = save_dir / (step_dir_name(step) + _TMP_SUFFIX)
+    tmp.mkdir()
+    return tmp
+
+
+def publish(tmp: Path, keep: int) -> Path:
+    """Rename the written ``step_<N>.tmp/`` to ``step_<N>/``, point ``latest`` at it, keep the ``keep``
+    complete checkpoints of the highest steps (this one always) and delete the others. Returns the new path."""
+    save_dir = tmp.parent
+    final = save_dir / tmp.name[:-len(_TMP_SUFFIX)]
+    fsync_dir(tmp)
+    if final.exists():  # the same step saved again (a rerun): move the old one out of the way first
+        final.rename(save_dir / (final.name + ".replaced" + _TMP_SUFFIX))
+    tmp.rename(final)
+    fsync_dir(save_dir)
+    write_durably(save_dir / (LATEST + _TMP_SUFFIX), (final.name + "\n").encode())
+    os.replace(save_dir / (LATEST + _TMP_SUFFIX), save_dir / LATEST)
+    fsync_dir(save_dir)
+    others = [path for step, path in sorted(complete_checkpoints(save_dir).items(), reverse=True) if path != final]
+    for old in others[max(keep - 1, 0):]:
+        # Renamed first, so a crash mid-deletion leaves a .tmp directory, never a half-deleted checkpoint.
+        doomed = save_dir / (old.name + ".deleted" + _TMP_SUFFIX)
+        old.rename(doomed)
+        shutil.rmtree(doomed)
+    for leftover in save_dir.glob(f"step_*{_TMP_SUFFIX}"):
+        shutil.rmtree(leftover)
+    return final
+
+
+def complete_checkpoints(save_dir: Path) -> dict[int, Path]:
+    """``{step: path}`` of the ``step_<N>/`` directories in ``save_dir`` that hold a manifest."""
+    found = {}
+    for path in save_dir.iterdir() if save_dir.is_dir() else ():
+        match = _STEP_DIR.fullmatch(path.name)
+        if match and (path / MANIFEST).is_file():
+            found[int(match[1])] = path
+    return found
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """The checkpoint directory ``path`` names and a note when ``latest`` could not be followed.
+
+    ``path`` is a checkpoint (holds a manifest) or a save directory: then the one ``latest`` names, or the
+    complete one of the highest step when ``latest`` is missing or names no complete checkpoint.
+
+    Raises:
+        CheckpointError: ``path`` holds no complete checkpoint.
+    """
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path, None
+    found = complete_checkpoints(path)
+    note = None
+    latest = path / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        match = _STEP_DIR.fullmatch(name)
+        if match and int(match[1]) in found:
+            return found[int(match[1])], None
+        note = f"{latest} names {name!r}, which is no complete checkpoint"
+    if not found:
+        raise CheckpointError(f"load: no complete checkpoint in {path} (expected {path}/step_<N>/ with a {MANIFEST}, "
+                              "as save_checkpoint writes)")
+    newest = found[max(found)]
+    return newest, None if note is None else f"{note}; loading {newest.name}, the newest complete one"
+
+
+def check_writable(save_dir: str | os.PathLike) -> None:
+    """Create ``save_dir`` and write a probe file in it.
+
+    Raises:
+        ValueError: the directory cannot be created or written (naming it and the OS error).
+    """
+    try:
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=save_dir, prefix=".write_probe"):
+            pass
+    except OSError as e:
+        raise ValueError(f"save: cannot write checkpoints to {save_dir}: {e}") from None
+
+
+__all__ = ["CheckpointError", "MANIFEST", "STATE", "LATEST", "check_files", "check_writable", "complete_checkpoints",
+           "digest_files", "prepare_step_dir", "publish", "read_manifest", "resolve_checkpoint", "write_durably"]

@@ -1,0 +1,139 @@
+"""Checkpoint layout and fingerprints: step_<N>/ directories, ``latest``, rotation, the architecture check
+and the partial load, refusing non-finite weights, and --save checked before training."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from moe_core.config import TransformerConfig
+from moe_core.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from moe_core.training.config import TrainingConfig
+from moe_core.training.step import setup_training
+from moe_core.training.trainer import pretrain
+
+MODEL = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4, moe_router_topk=2,
+                          moe_ffn_hidden_size=16, ffn_hidden_size=32, seq_length=8)
+TRAINING = TrainingConfig(micro_batch_size=2, train_iters=10, lr_warmup_iters=0)
+
+
+def _state(model: TransformerConfig = MODEL, seed: int = TRAINING.seed):
+    return setup_training(model, dataclasses.replace(TRAINING, seed=seed))
+
+
+def _save(save_dir, state, step, model=MODEL, keep=2):
+    return save_checkpoint(save_dir, state.model, state.optimizer, state.scheduler, step, seed=TRAINING.seed,
+                           model_config=model, keep=keep)
+
+
+def _load(path, state, model=MODEL, **kwargs):
+    return load_checkpoint(path, state.model, state.optimizer, state.scheduler, seed=TRAINING.seed,
+                           model_config=model, **kwargs)
+
+
+def test_rotation_keeps_the_newest_and_latest_points_at_the_last(tmp_path):
+    state = _state()
+    for step in (1, 2, 3, 4):
+        assert _save(tmp_path, state, step) == tmp_path / f"step_{step}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_3", "step_4"]
+    assert (tmp_path / "latest").read_text() == "step_4\n"
+    assert json.loads((tmp_path / "step_4" / "state.json").read_text())["model_config"]["num_layers"] == 2
+    manifest = json.loads((tmp_path / "step_4" / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == [".metadata", "__0_0.distcp", "state.json"]
+    assert _load(tmp_path, _state()) == 4
+    assert _load(tmp_path / "step_3", _state()) == 3
+    _save(tmp_path, state, 5, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_5"]
+
+
+@pytest.mark.parametrize("pointer", ["step_9\n", "../../etc\n", ""])
+def test_an_unusable_latest_falls_back_to_the_newest_complete(tmp_path, pointer):
+    state = _state()
+    _save(tmp_path, state, 1)
+    _save(tmp_path, state, 2)
+    (tmp_path / "latest").write_text(pointer)
+    notes = []
+    assert _load(tmp_path, _state(), log=notes.append) == 2
+    assert notes == [f"load: {tmp_path / 'latest'} names {pointer.strip()!r}, which is no complete checkpoint; "
+                     "loading step_2, the newest complete one"]
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    state = _state()
+    _save(tmp_path, state, 1)
+    with torch.no_grad():
+        state.model.decoder.layers[1].mlp.experts.fc2.weight[0, 0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match=r"refusing to save step 2: model\.decoder\.layers\.1\.mlp\.experts\.fc2"
+                                           r"\.weight holds NaN or Inf"):
+        _save(tmp_path, state, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1"]
+    assert (tmp_path / "latest").read_text() == "step_1\n"
+
+
+@pytest.mark.parametrize("change", [dict(num_layers=1), dict(num_attention_heads=4), dict(num_moe_experts=8),
+                                    dict(hidden_size=32), dict(moe_router_score_function="sigmoid"),
+                                    dict(moe_router_topk=1), dict(moe_ffn_hidden_size=8)],
+                         ids=lambda c: next(iter(c)))
+def test_another_architecture_is_refused_naming_the_field(tmp_path, change):
+    _save(tmp_path, _state(), 3)
+    other = dataclasses.replace(MODEL, **change)
+    name, value = next(iter(change.items()))
+    with pytest.raises(CheckpointError, match=rf"holds another architecture \({name}: {getattr(MODEL, name)!r} in "
+                                              rf"the checkpoint, {value!r} now.*pass load_partial"):
+        _load(tmp_path, _state(other), other)
+
+
+def test_training_settings_may_change(tmp_path):
+    """Fields of RESUMABLE_FIELDS (coefficients, dispatcher, sequence length) differ: the checkpoint loads."""
+    state = _state()
+    _save(tmp_path, state, 3)
+    other = dataclasses.replace(MODEL, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-3, seq_length=16,
+                                moe_token_dispatcher_type="allgather")
+    loaded = _state(other)
+    assert _load(tmp_path, loaded, other) == 3
+    for (name, want), got in zip(state.model.state_dict().items(), loaded.model.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
+
+
+def test_partial_load_takes_the_matching_weights_only(tmp_path):
+    saved = _state()
+    _save(tmp_path, saved, 3)
+    other = dataclasses.replace(MODEL, num_moe_experts=8)
+    fresh, loaded = _state(other, seed=7), _state(other, seed=7)
+    notes = []
+    assert _load(tmp_path, loaded, other, partial=True, log=notes.append) == 0
+    want, before = saved.model.state_dict(), fresh.model.state_dict()
+    kept = {name for name in before if ".mlp." in name}  # the router and the experts: 8 experts now, not 4
+    for name, got in loaded.model.state_dict().items():
+        assert torch.equal(got, before[name] if name in kept else want[name]), name
+    assert loaded.scheduler.last_epoch == 0
+    assert notes[0].startswith(f"load: partial load of {tmp_path / 'step_3'}: 11 of 17 tensors; kept fresh: ")
+    assert "'num_moe_experts': (4, 8)" in notes[0]
+
+
+def test_unwritable_save_fails_before_training(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cfg = dataclasses.replace(TRAINING, save=str(blocker / "ckpt"), output_dir=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=rf"save: cannot write checkpoints to {blocker / 'ckpt'}: .*Not a directory"):
+        pretrain(MODEL, cfg, log=lambda *_: None)
+    assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_pretrain_loads_another_architecture_only_when_partial(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 200)
+    cfg = dataclasses.replace(TRAINING, train_iters=2, eval_iters=1, data_path=[str(corpus)], log_interval=1,
+                              output_dir=str(tmp_path / "out"))
+    pretrain(MODEL, dataclasses.replace(cfg, save=str(tmp_path / "ckpt")), log=lambda *_: None)
+    one_layer = dataclasses.replace(MODEL, num_layers=1)
+    with pytest.raises(CheckpointError, match=r"another architecture \(num_layers: 2 in the checkpoint, 1 now\)"):
+        pretrain(one_layer, dataclasses.replace(cfg, load=str(tmp_path / "ckpt")), log=lambda *_: None)
+    printed = []
+    summary = pretrain(one_layer, dataclasses.replace(cfg, load=str(tmp_path / "ckpt"), load_partial=True),
+                       log=printed.append)
+    assert len(summary.train_losses) == 2  # from step 0
+    assert any(line.startswith("load: partial load of") and "kept fresh: none" in line for line in printed)
