@@ -24,6 +24,7 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 DISPATCHER_TYPES = ("alltoall", "allgather")
 ROUTER_DTYPES = ("fp32", "fp64", None)
 QK_LAYERNORM_SPANS = ("head", "projection")
+INT64_MAX = 2**63 - 1  # sizes and counts become int64 tensors and C++ int64s
 
 
 @dataclass(kw_only=True)
@@ -353,8 +354,8 @@ def _positive_int(cfg: TransformerConfig, name: str) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name}: expected int, got {type(value).__name__} ({value!r})")
-    if value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value}")
+    if not 1 <= value <= INT64_MAX:
+        raise ValueError(f"{name}: expected a positive int <= 2**63 - 1, got {value}")
 
 
 def _choice(cfg: TransformerConfig, name: str, choices: tuple) -> None:

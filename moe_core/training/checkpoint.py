@@ -9,9 +9,9 @@ What a checkpoint holds:
   torch RNG states (CPU, and CUDA when used: router input jitter draws from them) under a per-rank key, so
   ranks with different streams don't collapse into one replicated entry; a rank without its own entry (another
   world size) keeps its freshly seeded RNG.
-- state.json: the step (optimizer steps done, skipped ones included), the data seed (batches are a function
+- state.json: the step (training steps done, skipped non-finite ones included), the data seed (batches are a function
   of ``(seed, step)``, ``data.sample_batch``), the LR schedule's state, AdamW's param groups
-  (hyper-parameters) and the model's ``TransformerConfig``.
+  (hyper-parameters), the model's ``TransformerConfig``, and for the record the world size and torch version.
 
 The tensors are saved in the single-process layout: full tensors (``get_state_dict(full_state_dict=True)``
 gathers FSDP2 shards and replicated DTensors) with every expert tensor gathered over expert parallelism

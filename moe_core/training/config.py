@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_core.config import check_number, load_yaml
+from moe_core.config import INT64_MAX, check_number, load_yaml
 
 DECODE_ERRORS = ("strict", "replace", "ignore", "backslashreplace")
 
@@ -175,8 +175,8 @@ def _check_int(name: str, value: Any, *, optional: bool, minimum: int = 1) -> No
     if isinstance(value, bool) or not isinstance(value, int):
         expected = "an int or None" if optional else "an int"
         raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} ({value!r})")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    if not minimum <= value <= INT64_MAX:
+        raise ValueError(f"{name}: expected an int >= {minimum} and <= 2**63 - 1, got {value}")
 
 
 __all__ = ["TrainingConfig"]

@@ -149,7 +149,7 @@ def test_bad_inputs_raise(name):
         cls(NUM_EXPERTS, [1, 2, 3, 4, 5, 6, 7, 8], cfg)
     d = cls(NUM_EXPERTS, list(range(NUM_EXPERTS)), cfg)
     hidden, probs, routing_map = torch.zeros(4, 16), torch.zeros(4, NUM_EXPERTS), torch.zeros(4, NUM_EXPERTS).bool()
-    with pytest.raises(ValueError, match=r"hidden: expected \[N, H\], got shape \(4, 2, 8\)"):
+    with pytest.raises(ValueError, match=r"hidden: expected \[T, H\], got shape \(4, 2, 8\)"):
         d.dispatch(hidden.view(4, 2, 8), probs, routing_map)
     with pytest.raises(ValueError, match=r"expected shape \(4, 8\), got \(4, 7\)"):
         d.dispatch(hidden, probs[:, :7], routing_map)

@@ -100,3 +100,12 @@ def test_yaml_reads_exponents_as_numbers(tmp_path):
 def test_command_line_rejects_bad_floats(flag, value, name):
     with pytest.raises(ValueError, match=rf"^{name}: expected a finite number"):
         pretrain_gpt.parse_args([flag, value])
+
+
+@pytest.mark.parametrize("flag, name", [("--train-iters", "train_iters"), ("--micro-batch-size", "micro_batch_size"),
+                                        ("--seed", "seed"), ("--num-experts", "num_moe_experts"),
+                                        ("--seq-length", "seq_length")])
+def test_counts_beyond_int64_name_the_argument(flag, name):
+    with pytest.raises(ValueError, match=rf"^{name}: expected .*<= 2\*\*63 - 1, got 99999999999999999999$"):
+        pretrain_gpt.parse_args([flag, "99999999999999999999"])
+    assert TrainingConfig(train_iters=2**63 - 1, seed=2**63 - 1).train_iters == 2**63 - 1
