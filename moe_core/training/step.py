@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
@@ -109,16 +108,15 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.
     """AdamW with weight decay on matrices and expert weights only (not on norms, biases or 1-D params).
 
     Fused (the role of apex's and TE's FusedAdam in Megatron) when the parameters live on CUDA; torch's foreach
-    implementation elsewhere. Each parameter group holds the parameters of one device mesh only: the fused and
-    foreach kernels batch a group's tensors together, and DTensors of different meshes (dense parameters on the
-    DP mesh, experts on the expert-DP mesh under FSDP2) cannot share a batch.
+    implementation elsewhere. Four parameter groups, in every process layout (so checkpoints load across
+    layouts), some possibly empty: dense and expert parameters, each with and without decay. A group never mixes
+    dense and expert parameters: the fused and foreach kernels batch a group's tensors, and under FSDP2 the two
+    kinds are DTensors of different meshes (DP and expert-DP), which cannot share a batch.
     """
-    groups: dict[tuple[bool, object], list[torch.nn.Parameter]] = {}
-    for param in model.parameters():
-        mesh = param.device_mesh if isinstance(param, DTensor) else None
-        groups.setdefault((param.dim() >= 2, mesh), []).append(param)
-    param_groups = [{"params": params, "weight_decay": cfg.weight_decay if decay else 0.0}
-                    for (decay, _), params in groups.items()]
+    dense, experts = split_expert_params(model)
+    param_groups = [{"params": [p for p in params if (p.dim() >= 2) == decay],
+                     "weight_decay": cfg.weight_decay if decay else 0.0}
+                    for params in (dense, experts) for decay in (True, False)]
     on_cuda = all(p.device.type == "cuda" for p in model.parameters())
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                              fused=on_cuda or None)

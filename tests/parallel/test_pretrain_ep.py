@@ -103,4 +103,4 @@ def test_optimizer_groups_never_mix_meshes_under_fsdp2_ep(tmp_path):
     ranks = run_distributed(2, _optimizer_meshes, timeout=120, ep=2, output_dir=str(tmp_path))
     for r in ranks:
         assert len(r["all"]) == 2  # two meshes exist: a single group would mix them
-        assert all(len(meshes) == 1 for meshes in r["per_group"])
+        assert all(len(meshes) <= 1 for meshes in r["per_group"])  # empty groups allowed
