@@ -82,14 +82,15 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
                 continue
             _check_mesh(p.grad, mesh, f"{arg}[{i}] (shape {tuple(p.shape)})")
             local, shards = _local_and_shards(p.grad)
-            local = local.detach().float()
+            # One read of the gradient, accumulated in float32.
+            norm = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32)
             if total is None:
                 total = torch.zeros((), dtype=torch.float32, device=local.device)
             if norm_type == float("inf"):
-                total = torch.maximum(total, local.abs().max()) if local.numel() else total
+                total = torch.maximum(total, norm)
             else:
                 replicas = world // (shards * per_rank_copies)
-                total = total + local.abs().pow(norm_type).sum() / replicas
+                total = total + norm.pow(norm_type) / replicas
     if total is None:
         total = torch.zeros((), dtype=torch.float32, device=_default_device(pg_collection))
     if pg_collection is not None and world > 1:
@@ -109,12 +110,22 @@ def clip_grad_norm_(dense_params: Iterable[torch.nn.Parameter], expert_params: I
     """
     dense_params, expert_params = list(dense_params), list(expert_params)
     total = get_grad_norm(dense_params, expert_params, pg_collection, norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in dense_params + expert_params:
+    scale_grads_(dense_params + expert_params, clip_coefficient(total, max_norm))
+    return total
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(max_norm / (total_norm + 1e-6), 1)``: the factor that brings the gradients' norm to at most
+    ``max_norm`` (``torch.nn.utils.clip_grad_norm_``'s arithmetic)."""
+    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+
+def scale_grads_(params: Iterable[torch.nn.Parameter], coef: torch.Tensor) -> None:
+    """Multiply every gradient (its local part, for DTensors) by the 0-dim ``coef`` in place."""
+    for p in params:
         if p.grad is not None:
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             local.mul_(coef.to(local.device, local.dtype))
-    return total
 
 
 def _default_device(pg_collection: ProcessGroupCollection | None) -> torch.device:
@@ -123,4 +134,4 @@ def _default_device(pg_collection: ProcessGroupCollection | None) -> torch.devic
     return torch.device("cpu")
 
 
-__all__ = ["get_grad_norm", "clip_grad_norm_"]
+__all__ = ["clip_coefficient", "scale_grads_", "get_grad_norm", "clip_grad_norm_"]

@@ -25,13 +25,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
 from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
-from moe_core.parallel.grad_clip import clip_grad_norm_
+from moe_core.parallel.grad_clip import clip_coefficient, get_grad_norm, scale_grads_
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.parallel.state import load_full_state_dict
@@ -193,11 +194,8 @@ def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
             loss.backward()
         step_loss += loss.detach()
     step_loss = reduce_loss_for_logging(step_loss, None if pg is None else pg.dp)
-    # One global norm over dense (DP mesh) and expert (expert-DP mesh) gradients, one all-reduce.
-    grad_norm = clip_grad_norm_(state.dense_params, state.expert_params, state.max_norm, pg)
-    skipped = not bool(torch.isfinite(step_loss) & torch.isfinite(grad_norm))
+    grad_norm, skipped = _clip_and_step(state, step_loss)
     if not skipped:
-        state.optimizer.step()
         state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
     for layer in model.moe_layers():
@@ -211,6 +209,41 @@ def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
             layer.router.update_expert_bias()
         layer.router.reset_global_aux_loss_tracker()
     return step_loss, grad_norm, skipped
+
+
+def _clip_and_step(state: TrainingState, step_loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Clip to ``max_norm`` and step AdamW unless the loss or the global gradient norm is non-finite;
+    ``(grad_norm, skipped)``.
+
+    A fused AdamW over plain tensors takes both as inputs of its one kernel (the ``grad_scale`` / ``found_inf``
+    protocol of ``torch.amp.GradScaler``): it divides each gradient by ``grad_scale`` and leaves every parameter
+    and moment untouched where ``found_inf`` is set, so clipping costs no pass over the gradients and the step
+    is queued before the host reads the verdict. Otherwise the gradients are scaled in place and the step runs
+    only when finite.
+    """
+    pg, optimizer = state.pg_collection, state.optimizer
+    # One global norm over dense (DP mesh) and expert (expert-DP mesh) gradients, one all-reduce.
+    grad_norm = get_grad_norm(state.dense_params, state.expert_params, pg)
+    finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm)
+    coef = clip_coefficient(grad_norm, state.max_norm)
+    if _fused_plain(optimizer):
+        optimizer.grad_scale, optimizer.found_inf = coef.reciprocal(), (~finite).float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        return grad_norm, not bool(finite)
+    scale_grads_(state.dense_params + state.expert_params, coef)
+    skipped = not bool(finite)
+    if not skipped:
+        optimizer.step()
+    return grad_norm, skipped
+
+
+def _fused_plain(optimizer: torch.optim.Optimizer) -> bool:
+    """A fused optimizer whose parameters are all plain tensors (no DTensors)."""
+    return bool(optimizer.defaults.get("fused")) and not any(
+        isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"])
 
 
 __all__ = ["TrainingState", "build_model", "build_optimizer", "setup_training", "train_step", "training_device"]

@@ -33,3 +33,29 @@ def test_bf16_training_step_never_takes_the_portable_kernel(compile, monkeypatch
     assert "portable kernel" not in err
     if torch.cuda.get_device_capability() == (9, 0):
         assert "tile" in err  # the Hopper kernels announced themselves
+
+
+def test_fused_clipping_equals_scaling_the_gradients(monkeypatch):
+    """The fused AdamW path (grad_scale / found_inf) clips like scaling the gradients first."""
+    import moe_core.training.step as step_module
+
+    model_config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8,
+                                     moe_router_topk=2, moe_ffn_hidden_size=64, seq_length=32)
+    cfg = TrainingConfig(micro_batch_size=2, bf16=False, clip_grad=1e-3, train_iters=3)  # clipping active
+    tokens = torch.randint(0, 256, (2, 33))
+    moments = []
+    for fused in (True, False):
+        monkeypatch.setattr(step_module, "_fused_plain", lambda optimizer, fused=fused: fused)
+        state = setup_training(model_config, cfg)
+        assert state.optimizer.defaults["fused"]
+        loss, grad_norm, skipped = train_step(state, tokens[:, :-1], tokens[:, 1:])
+        assert not skipped and grad_norm > cfg.clip_grad
+        moments.append([state.optimizer.state[p]["exp_avg"] for p in state.model.parameters()])
+    for fused_m, scaled_m in zip(*moments, strict=True):
+        torch.testing.assert_close(fused_m, scaled_m, rtol=1e-5, atol=1e-12)
+
+
+def test_non_finite_step_is_skipped_by_the_fused_optimizer():
+    from tests.training.test_nonfinite_step import test_non_finite_gradient_skips_the_step
+
+    test_non_finite_gradient_skips_the_step()  # setup_training picks CUDA here: the fused path
