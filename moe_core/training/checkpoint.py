@@ -217,6 +217,20 @@ def _read_state(directory: Path, manifest: dict) -> dict:
     return state
 
 
+def _open_checkpoint(path: str | os.PathLike, model_config: TransformerConfig | None,
+                     log: Callable[[str], None]) -> tuple[Path, dict, str, Any]:
+    """Resolve ``path``, verify every file against the manifest, parse state.json and the allow-listed
+    ``.metadata``: ``(directory, state, architecture differences as text ('' when none), metadata)``."""
+    directory, note = files.resolve_checkpoint(path)
+    if note:
+        log(f"load: {note}")
+    manifest = files.read_manifest(directory)
+    state = _read_state(directory, manifest)
+    diffs = architecture_differences(state.get("model_config"), model_config)
+    listed = ", ".join(f"{k}: {saved!r} in the checkpoint, {now!r} now" for k, (saved, now) in diffs.items())
+    return directory, state, listed, read_metadata(directory, set(manifest))
+
+
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, pg_collection=None, *,
                     seed: int | None = None, model_config: TransformerConfig | None = None, partial: bool = False,
@@ -237,17 +251,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
             ``.metadata``, another architecture (naming the fields) without ``partial``, or another seed.
     """
     log = log or (lambda _msg: None)
-    directory, note = files.resolve_checkpoint(path)
-    if note:
-        log(f"load: {note}")
-    manifest = files.read_manifest(directory)
-    state = _read_state(directory, manifest)
-    diffs = architecture_differences(state.get("model_config"), model_config)
+    directory, state, diffs, metadata = _open_checkpoint(path, model_config, log)
     if diffs and not partial:
-        listed = ", ".join(f"{k}: {saved!r} in the checkpoint, {now!r} now" for k, (saved, now) in diffs.items())
-        raise CheckpointError(f"load: {directory} holds another architecture ({listed}); pass load_partial "
+        raise CheckpointError(f"load: {directory} holds another architecture ({diffs}); pass load_partial "
                               "(--load-partial) to load the matching weights only")
-    metadata = read_metadata(directory, set(manifest))
     reader = VerifiedReader(directory, metadata)
     model_sd, optim_sd = _full_state(model, optimizer, pg_collection)
     experts = expert_param_names(model)
@@ -294,17 +301,9 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_colle
     Raises:
         CheckpointError (a ValueError): as ``load_checkpoint``; also a weight the checkpoint lacks.
     """
-    log = log or (lambda _msg: None)
-    directory, note = files.resolve_checkpoint(path)
-    if note:
-        log(f"load: {note}")
-    manifest = files.read_manifest(directory)
-    state = _read_state(directory, manifest)
-    diffs = architecture_differences(state.get("model_config"), model_config)
+    directory, _, diffs, metadata = _open_checkpoint(path, model_config, log or (lambda _msg: None))
     if diffs:
-        listed = ", ".join(f"{k}: {saved!r} in the checkpoint, {now!r} now" for k, (saved, now) in diffs.items())
-        raise CheckpointError(f"load: {directory} holds another architecture ({listed})")
-    metadata = read_metadata(directory, set(manifest))
+        raise CheckpointError(f"load: {directory} holds another architecture ({diffs})")
     model_sd = get_model_state_dict(model, options=_OPTIONS)
     experts = expert_param_names(model)
     no_optim = {"state": {}}
