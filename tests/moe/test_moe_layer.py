@@ -120,3 +120,21 @@ def test_layer_rejects_bad_hidden():
         layer(torch.randn(3, HIDDEN + 1, dtype=torch.float64))
     with pytest.raises(ValueError, match="num_moe_experts"):
         MoELayer(TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2))
+
+
+@pytest.mark.parametrize("kw", [{}, {"moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 1e-3},
+                                {"moe_expert_capacity_factor": 1.0, "moe_pad_expert_input_to_capacity": True}],
+                         ids=["plain", "aux-and-z-loss", "drop-and-pad"])
+def test_layer_compiles_without_graph_breaks(kw):
+    """torch.compile(fullgraph=True) traces the whole layer (router, dispatch, experts, combine): no host sync
+    and no graph break; the compiled layer computes the eager layer's outputs and gradients."""
+    layer = make_layer(dtype=torch.float32, **kw)
+    hidden = torch.randn(2, 16, layer.config.hidden_size, requires_grad=True)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = compiled(hidden)
+    want = layer(hidden)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(got.square().sum(), [hidden, *layer.parameters()])
+    want_grads = torch.autograd.grad(want.square().sum(), [hidden, *layer.parameters()])
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
