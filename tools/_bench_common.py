@@ -124,6 +124,20 @@ def breakdown(kernels: dict[str, float], categories: dict[str, re.Pattern]) -> d
     return dict(ms=ms, total_ms=sum(ms.values()), ranked=ranked)
 
 
+def print_table(rows: list[dict], lead: list[tuple[str, int]], columns: list[tuple[str, int, object]]) -> None:
+    """Print ``rows`` as a table: the ``lead`` keys left-aligned (``(key, width)``), then ``columns``
+    (``(title, width, row -> text)``); a row with ``error`` shows the error instead of the columns."""
+    header = " ".join(f"{k:{w}s}" for k, w in lead) + " " + " ".join(f"{t:>{w}s}" for t, w, _ in columns)
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        start = " ".join(f"{r[k]:{w}s}" for k, w in lead)
+        if r.get("error"):
+            print(f"{start} error: {r['error'][:80]}")
+        else:
+            print(start + " " + " ".join(f"{cell(r):>{w}s}" for _, w, cell in columns))
+
+
 def error_message(err: BaseException) -> str:
     """``Type: first line of the message`` (at most 300 characters): a failed provider's ``error``."""
     return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"

@@ -49,6 +49,9 @@ from _bench_common import (  # noqa: E402
     single_thread,
     timed,
 )
+from _bench_common import (
+    print_table as print_rows,
+)
 from _native_moe import NativeMoE  # noqa: E402
 
 from moe_core import TransformerConfig  # noqa: E402
@@ -198,20 +201,17 @@ def _report(shape: str, provider: str, what: str, err: Exception) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'shape':24s} {'pass':8s} {'provider':18s} {'ms':>9s} {'spread':>7s} {'TFLOP/s':>8s} "
-              f"{'vs native':>9s} {'vs nat_c':>9s} {'vs hf':>7s} {'peak GiB':>8s} {'non-GEMM %':>10s}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        lead = f"{r['shape']:24s} {r['pass']:8s} {r['provider']:18s}"
-        if r.get("error"):
-            print(f"{lead} error: {r['error'][:80]}")
-            continue
-        share = r.get("non_gemm_share")
-        print(f"{lead} {r['median_ms']:9.3f} {100 * r['spread']:6.1f}% {fmt(r['tflops'], '8.1f')} "
-              f"{fmt(r['speedup_vs_native'], '9.2f')} {fmt(r['speedup_vs_native_compiled'], '9.2f')} "
-              f"{fmt(r['speedup_vs_hf'], '7.2f')} {fmt(r['peak_gib'], '8.2f')} "
-              f"{fmt(None if share is None else 100 * share, '10.1f')}")
+    def pct(share):
+        return None if share is None else 100 * share
+
+    print_rows(rows, [("shape", 24), ("pass", 8), ("provider", 18)], [
+        ("ms", 9, lambda r: f"{r['median_ms']:.3f}"), ("spread", 7, lambda r: f"{100 * r['spread']:.1f}%"),
+        ("TFLOP/s", 8, lambda r: fmt(r["tflops"], ".1f")),
+        ("vs native", 9, lambda r: fmt(r["speedup_vs_native"], ".2f")),
+        ("vs nat_c", 9, lambda r: fmt(r["speedup_vs_native_compiled"], ".2f")),
+        ("vs hf", 7, lambda r: fmt(r["speedup_vs_hf"], ".2f")), ("peak GiB", 8, lambda r: fmt(r["peak_gib"], ".2f")),
+        ("non-GEMM %", 10, lambda r: fmt(pct(r.get("non_gemm_share")), ".1f")),
+    ])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -48,6 +48,9 @@ from _bench_common import (  # noqa: E402
     single_thread,
     timed,
 )
+from _bench_common import (
+    print_table as print_rows,
+)
 
 from moe_core import TransformerConfig  # noqa: E402
 from moe_core.models.gpt import GPTModel  # noqa: E402
@@ -136,19 +139,16 @@ def print_profile(provider: str, split: dict, kind: str) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = (f"{'config':10s} {'provider':18s} {'step ms':>9s} {'spread':>7s} {'tokens/s':>10s} {'MFU %':>7s} "
-              f"{'causal %':>8s} {'peak GiB':>8s} {'loss first':>10s} {'last':>7s}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        lead = f"{r['config']:10s} {r['provider']:18s}"
-        if r.get("error"):
-            print(f"{lead} error: {r['error'][:90]}")
-            continue
-        mfu_pct, causal_pct = (None if r[k] is None else 100 * r[k] for k in ("mfu", "mfu_causal"))
-        print(f"{lead} {r['median_ms']:9.2f} {100 * r['spread']:6.1f}% {r['tokens_per_s']:10.0f} "
-              f"{fmt(mfu_pct, '7.1f')} {fmt(causal_pct, '8.1f')} {fmt(r['peak_gib'], '8.2f')} "
-              f"{r['first_loss']:10.3f} {r['last_loss']:7.3f}")
+    def pct(fraction):
+        return None if fraction is None else 100 * fraction
+
+    print_rows(rows, [("config", 10), ("provider", 18)], [
+        ("step ms", 9, lambda r: f"{r['median_ms']:.2f}"), ("spread", 7, lambda r: f"{100 * r['spread']:.1f}%"),
+        ("tokens/s", 10, lambda r: f"{r['tokens_per_s']:.0f}"), ("MFU %", 7, lambda r: fmt(pct(r["mfu"]), ".1f")),
+        ("causal %", 8, lambda r: fmt(pct(r["mfu_causal"]), ".1f")),
+        ("peak GiB", 8, lambda r: fmt(r["peak_gib"], ".2f")),
+        ("loss first", 10, lambda r: f"{r['first_loss']:.3f}"), ("last", 7, lambda r: f"{r['last_loss']:.3f}"),
+    ])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
