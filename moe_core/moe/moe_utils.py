@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.ops.permute import permute_rows, unpermute_rows
+from moe_core.ops.permute import permute_rows, permute_rows_packed, unpermute_rows
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ def build_row_map(routing_map: torch.Tensor, num_slots: int, num_out_tokens: int
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
-            num_out_tokens: int | None = None, drop_and_pad: bool = False, num_slots: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None, RowMap]:
+            num_out_tokens: int | None = None, drop_and_pad: bool = False, num_slots: int | None = None,
+            pack_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, RowMap]:
     """Gather token rows into expert-major order (Megatron's ``permute`` with a routing map).
 
     Rows of expert 0 come first, then expert 1, ...; inside an expert, rows are in token order.
@@ -97,14 +97,20 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
             rows whose prob is 0, C rows in all. The router must already have dropped tokens beyond C
             (``apply_token_dropping``); extra ones would be cut here silently.
         num_slots: K, at least the most experts any token has; None: E (always enough).
+        pack_probs: write the float32 probs into the rows' tails (``moe_core.ops.permute.permute_rows_packed``,
+            ``[R, W]``) in the same pass, instead of returning them apart; needs ``probs``.
     Returns:
-        ``(permuted [R, H], permuted_probs [R] or None, row_map)``; ``permuted`` is in tokens' dtype, or the
-        autocast dtype inside ``torch.autocast``. Host sync: only without ``drop_and_pad`` and without
-        ``num_out_tokens`` (R is data-dependent; ``nonzero`` must size its output).
+        ``(permuted [R, H], permuted_probs [R] float32-or-probs'-dtype or None, row_map)``, or with
+        ``pack_probs`` ``(packed [R, W], None, row_map)``; the rows are in tokens' dtype, or the autocast dtype
+        inside ``torch.autocast``. Host sync: only without ``drop_and_pad`` and without ``num_out_tokens`` (R is
+        data-dependent; ``nonzero`` must size its output).
     Raises:
-        ValueError / TypeError: shapes, dtypes, ``num_slots`` or ``num_out_tokens`` do not fit.
+        ValueError / TypeError: shapes, dtypes, ``num_slots`` or ``num_out_tokens`` do not fit, or
+            ``pack_probs`` without ``probs``.
     """
     _check_routing(tokens, routing_map, probs)
+    if pack_probs and probs is None:
+        raise ValueError("probs: pack_probs=True needs probs, got None")
     num_tokens, num_experts = routing_map.shape
     num_slots = num_experts if num_slots is None else num_slots
     checkable = not routing_map.is_cuda and not torch.compiler.is_compiling()
@@ -121,10 +127,14 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     elif num_out_tokens is not None and checkable and int(routing_map.sum()) != num_out_tokens:
         raise ValueError(f"num_out_tokens: expected routing_map.sum() = {int(routing_map.sum())}, got {num_out_tokens}")
     row_map, expert_of_row = build_row_map(routing_map, num_slots, num_out_tokens, capacity)
-    permuted = permute_rows(tokens, row_map.token_of_row, row_map.row_of_slot, _compute_dtype(tokens))
     permuted_probs = None
     if probs is not None:
         permuted_probs = probs[row_map.token_of_row.clamp_min(0), expert_of_row] * (row_map.token_of_row >= 0)
+    if pack_probs:
+        packed = permute_rows_packed(tokens, permuted_probs.float(), row_map.token_of_row, row_map.row_of_slot,
+                                     _compute_dtype(tokens))
+        return packed, None, row_map
+    permuted = permute_rows(tokens, row_map.token_of_row, row_map.row_of_slot, _compute_dtype(tokens))
     return permuted, permuted_probs, row_map
 
 

@@ -1,19 +1,31 @@
 """All-to-all token dispatcher for expert parallelism (Megatron-LM's ``MoEAlltoAllTokenDispatcher``).
 
 Legend (docs/design.md): T this rank's tokens, H hidden, E experts, L = E / ep local experts, K topk,
-R_s rows this rank sends (T * K before dropping), R rows this rank's experts receive, C capacity.
+R_s rows this rank sends (T * K before dropping), R rows this rank's experts receive, C capacity,
+W = ``packed_width(H)`` columns of a packed row (``moe_core.ops.permute``).
 
-dispatch:  permute [T, H] -> [R_s, H] grouped by global expert (so by destination EP rank)
-           exchange the per-expert counts (all-to-all of E ints)
-           all_to_all with split sizes                       -> [R, H] grouped by (source rank, local expert)
-           sort chunks by local expert                       -> [R, H] grouped by (local expert, source rank)
-combine:   the mirror image: unsort -> reverse all_to_all -> unpermute (gather-sum) -> [T, H]
+dispatch:  exchange the per-expert counts (all-to-all of E ints), start copying them to the host
+           permute [T, H] and probs -> packed rows [R_s, W] in the send buffer, rank-major then local-expert-major
+           (global expert order), one gather
+           wait for the counts on the host                       (the host sync, see below)
+           all_to_all of the packed rows                         -> [R, W] grouped by (source rank, local expert)
+           one gather by a device-computed index sorts and unpacks -> [R, H] and probs [R], grouped by
+           (local expert, source rank)
+combine:   one gather back to (source rank, local expert) order -> reverse all_to_all -> unpermute (gather-sum)
+           -> [T, H]
 
-Every rank issues the same collectives in the same order whatever the routing: one count exchange, one
-all-to-all for the hidden rows and one for the probs in dispatch, one all-to-all in combine, and the
-mirrors in backward, including a rank that sends or receives zero rows. With ``drop_and_pad`` the split sizes
-are static and there is no host sync at all; otherwise the single host sync of the step (Megatron's
-``preprocess``) is ``_split_sizes_to_host``.
+With one local expert (L = 1) the rows arrive sorted: rows and probs travel apart in two all-to-alls and
+neither side gathers (unpacking alone would cost a pass over the rows, more than the small second collective).
+
+Every rank issues the same collectives in the same order whatever the routing, including a rank that sends or
+receives zero rows: in dispatch the count exchange (without drop_and_pad) and the rows' all-to-all (plus the
+probs' one when L = 1), in combine one all-to-all, and their mirrors in backward.
+
+Host syncs: with ``drop_and_pad`` the split sizes are static and there is none. Otherwise exactly one per
+dispatch (Megatron's ``preprocess`` has the same): ``all_to_all_single`` takes its split sizes as host ints, so
+the exchanged counts must reach the host. Their copy is queued right after the count exchange and waited for
+only after the permute is queued, so the GPU permutes while the host waits (``_CountsCopy``); the sort indices
+are computed on the device from the received counts, and backward needs no host data beyond the same splits.
 """
 
 from __future__ import annotations
@@ -22,11 +34,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.config import TransformerConfig
 from moe_core.moe.moe_utils import RowMap, permute, unpermute
 from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
+from moe_core.ops.permute import permute_rows, unpermute_rows_packed
 from moe_core.parallel.collectives import all_to_all
-from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -36,24 +47,40 @@ class AlltoAllDispatchMeta:
     Attributes:
         row_map: the ``moe_utils.RowMap`` of this rank's tokens and the rows it sends (from ``permute``).
         input_splits / output_splits: rows sent to / received from each EP rank (host ints).
-        chunk_sizes: rows received per (source rank, local expert), source-major; ``None`` with drop_and_pad.
-        capacity: per-expert capacity with drop_and_pad, else ``None``.
+        unsort_index: ``[R]`` int64 on the device, the expert-major row each (source rank, local expert)-major
+            row came from (combine's gather); None when L = 1 or EP = 1.
+        sort_index: ``[R]`` int64, the inverse permutation (the unsort's backward); None likewise.
     """
 
     row_map: RowMap
     input_splits: tuple[int, ...]
     output_splits: tuple[int, ...]
-    chunk_sizes: tuple[int, ...] | None
-    capacity: int | None
+    unsort_index: torch.Tensor | None
+    sort_index: torch.Tensor | None
 
 
-def sort_chunks_by_idxs(x: torch.Tensor, chunk_sizes: list[int], order: list[int]) -> torch.Tensor:
-    """Split ``x`` [R, ...] into chunks of ``chunk_sizes`` rows and concatenate them in ``order``.
+def chunk_transpose_index(counts_AB: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The gather index that reorders rows held in chunks (a, b), a-major, into b-major chunk order.
 
-    Megatron's ``sort_chunks_by_idxs``; differentiable (split + cat).
+    Megatron's ``sort_chunks_by_idxs`` for the chunk grid of an all-to-all, as one index: ``rows[index]`` lists
+    chunk (0, 0), (1, 0), ..., (A-1, 0), (0, 1), ... with each chunk's rows in their order. Computed on the
+    device (no host sync).
+
+    Args:
+        counts_AB: ``[A, B]`` int64, the rows of chunk (a, b).
+        num_rows: their sum (a host int, so the output's size needs no sync).
+    Returns:
+        ``[num_rows]`` int64 on counts' device, a permutation of ``range(num_rows)``.
     """
-    chunks = torch.split(x, chunk_sizes, dim=0)
-    return torch.cat([chunks[i] for i in order], dim=0)
+    num_a, num_b = counts_AB.shape
+    device = counts_AB.device
+    counts_ab = counts_AB.reshape(-1)
+    start_ab = counts_ab.cumsum(0) - counts_ab  # where chunk (a, b) starts in the a-major source
+    counts_ba = counts_AB.t().reshape(-1)
+    start_ba = counts_ba.cumsum(0) - counts_ba  # where chunk (a, b) starts in the b-major output
+    chunk = torch.repeat_interleave(torch.arange(num_a * num_b, device=device), counts_ba, output_size=num_rows)
+    shift = start_ab.view(num_a, num_b).t().reshape(-1) - start_ba  # per b-major chunk id
+    return torch.arange(num_rows, device=device) + shift[chunk]
 
 
 class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
@@ -61,14 +88,6 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
 
     Arguments and errors: see ``ExpertParallelTokenDispatcher``.
     """
-
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: TransformerConfig,
-                 pg_collection: ProcessGroupCollection | None = None):
-        super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
-        # Received chunks are source-major; experts want them expert-major.
-        ep, num_local = self.ep_size, num_local_experts
-        self._sort_order = [s * num_local + e for e in range(num_local) for s in range(ep)]
-        self._unsort_order = [e * ep + s for s in range(ep) for e in range(num_local)]
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         """Route ``hidden`` [T, H] to the experts' ranks.
@@ -82,52 +101,45 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
             ValueError: shapes disagree.
         """
         check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
-        num_tokens = hidden.shape[0]
-        capacity = self.capacity(num_tokens)
-        num_out_tokens = self.num_out_tokens(num_tokens)
-        sent, sent_probs, row_map = permute(  # [R_s, H], [R_s], RowMap
-            hidden, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad,
-            num_slots=None if self.drop_and_pad else self.topk,
-        )
-        if self.drop_and_pad:
-            return self._dispatch_padded(sent, sent_probs, row_map, capacity)
-
-        sent_per_expert_E = routing_map.sum(dim=0).to(torch.int64)  # rows this rank sends to each expert
-        if self.ep_size == 1:
-            meta = AlltoAllDispatchMeta(row_map, (), (), None, None)
-            return sent, sent_per_expert_E, sent_probs.float(), meta
-
-        # received_per_chunk[s * L + e]: rows source rank s sends to local expert e.
-        received_per_chunk = all_to_all(sent_per_expert_E, [self.num_local_experts] * self.ep_size,
-                                        [self.num_local_experts] * self.ep_size, self.ep_group)
-        tokens_per_expert_L = received_per_chunk.view(self.ep_size, self.num_local_experts).sum(dim=0)
-        input_splits, chunk_sizes = _split_sizes_to_host(
-            sent_per_expert_E.view(self.ep_size, self.num_local_experts).sum(dim=1), received_per_chunk
-        )
-        output_splits = [sum(chunk_sizes[s * self.num_local_experts:(s + 1) * self.num_local_experts])
-                         for s in range(self.ep_size)]
-        received_RH = all_to_all(sent, output_splits, input_splits, self.ep_group)
-        received_probs_R = all_to_all(sent_probs.float(), output_splits, input_splits, self.ep_group)
-        if self.num_local_experts > 1:
-            received_RH = sort_chunks_by_idxs(received_RH, chunk_sizes, self._sort_order)
-            received_probs_R = sort_chunks_by_idxs(received_probs_R, chunk_sizes, self._sort_order)
-        meta = AlltoAllDispatchMeta(
-            row_map, tuple(input_splits), tuple(output_splits), tuple(chunk_sizes), None
-        )
-        return received_RH, tokens_per_expert_L, received_probs_R, meta
-
-    def _dispatch_padded(self, sent, sent_probs, row_map, capacity):
-        # Static shapes: every (rank, expert) pair exchanges exactly C = `capacity` rows; R = ep * L * C.
+        num_tokens, hidden_size = hidden.shape
         ep, num_local = self.ep_size, self.num_local_experts
-        splits = [num_local * capacity] * ep
-        received = all_to_all(sent, splits, splits, self.ep_group)  # [ep * L * C, H], source rank major
-        received_probs = all_to_all(sent_probs.float(), splits, splits, self.ep_group)
-        hidden_size = sent.shape[-1]
-        received_RH = received.view(ep, num_local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
-        received_probs_R = received_probs.view(ep, num_local, capacity).transpose(0, 1).reshape(-1)
-        tokens_per_expert_L = torch.full((num_local,), ep * capacity, dtype=torch.int64, device=sent.device)
-        meta = AlltoAllDispatchMeta(row_map, tuple(splits), tuple(splits), None, capacity)
-        return received_RH, tokens_per_expert_L, received_probs_R, meta
+        capacity = self.capacity(num_tokens)
+        permute_kwargs = dict(probs=probs, num_out_tokens=self.num_out_tokens(num_tokens),
+                              drop_and_pad=self.drop_and_pad, num_slots=None if self.drop_and_pad else self.topk)
+        if ep == 1:
+            sent, sent_probs, row_map = permute(hidden, routing_map, **permute_kwargs)
+            counts_L = routing_map.sum(dim=0) if capacity is None else torch.full(
+                (num_local,), capacity, dtype=torch.int64, device=hidden.device)
+            return sent, counts_L, sent_probs.float(), AlltoAllDispatchMeta(row_map, (), (), None, None)
+
+        if capacity is None:
+            sent_counts_E = routing_map.sum(dim=0)  # rows this rank sends to each expert, global order
+            # received_counts[s * L + e]: rows source rank s sends to local expert e.
+            received_counts = all_to_all(sent_counts_E, [num_local] * ep, [num_local] * ep, self.ep_group)
+            counts_copy = _CountsCopy(torch.cat([sent_counts_E, received_counts]))
+        else:
+            received_counts = torch.full((ep * num_local,), capacity, dtype=torch.int64, device=hidden.device)
+        packed = num_local > 1
+        sent, sent_probs, row_map = permute(hidden, routing_map, pack_probs=packed, **permute_kwargs)
+        if capacity is None:
+            host_counts = counts_copy.wait()
+            input_splits = _per_rank(host_counts[:self.num_experts], num_local)
+            output_splits = _per_rank(host_counts[self.num_experts:], num_local)
+        else:
+            input_splits = output_splits = [num_local * capacity] * ep
+        received = all_to_all(sent, output_splits, input_splits, self.ep_group)
+        tokens_per_expert_L = received_counts.view(ep, num_local).sum(dim=0)
+        if not packed:
+            received_probs = all_to_all(sent_probs.float(), output_splits, input_splits, self.ep_group)
+            return received, tokens_per_expert_L, received_probs, AlltoAllDispatchMeta(
+                row_map, tuple(input_splits), tuple(output_splits), None, None)
+        num_received = sum(output_splits)
+        sort_index = chunk_transpose_index(received_counts.view(ep, num_local), num_received)
+        unsort_index = chunk_transpose_index(received_counts.view(ep, num_local).t(), num_received)
+        received_RH, received_probs = unpermute_rows_packed(received, unsort_index, sort_index.unsqueeze(1),
+                                                            hidden_size)
+        meta = AlltoAllDispatchMeta(row_map, tuple(input_splits), tuple(output_splits), unsort_index, sort_index)
+        return received_RH, tokens_per_expert_L, received_probs.index_select(0, sort_index), meta
 
     def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
         """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[T, H]``.
@@ -136,23 +148,41 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         """
         out = expert_output  # [R, H], then [R_s, H] once back on this rank
         if self.ep_size > 1:
-            if meta.capacity is not None:
-                ep, num_local, hidden_size = self.ep_size, self.num_local_experts, out.shape[-1]
-                out = out.view(num_local, ep, meta.capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
-            elif self.num_local_experts > 1:
-                sorted_sizes = [meta.chunk_sizes[i] for i in self._sort_order]
-                out = sort_chunks_by_idxs(out, sorted_sizes, self._unsort_order)
+            if meta.unsort_index is not None:
+                out = permute_rows(out, meta.unsort_index, meta.sort_index.unsqueeze(1))
             out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
         return unpermute(out, meta.row_map)
 
 
-def _split_sizes_to_host(input_splits: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int]]:
-    # The one host sync of the non-padded path (Megatron's preprocess does the same): all_to_all_single
-    # needs its split sizes on the host. One device->host copy carries both tensors.
-    host = torch.cat([input_splits, counts]).tolist()
-    return host[: input_splits.numel()], host[input_splits.numel():]
+def _per_rank(counts: list[int], num_local: int) -> list[int]:
+    """Sums of consecutive blocks of ``num_local`` counts: rows per EP rank."""
+    return [sum(counts[i:i + num_local]) for i in range(0, len(counts), num_local)]
 
 
-__all__ = [
-    "MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta", "sort_chunks_by_idxs",
-]
+class _CountsCopy:
+    """A device->host copy of int64 counts, queued at construction, waited for by ``wait``.
+
+    On CUDA the copy goes to pinned memory behind the work already queued on the current stream and records an
+    event; ``wait`` blocks the host on that event only, not on work queued after the copy. On the CPU it is the
+    tensor itself. Run eagerly under ``torch.compile`` (a host sync cannot be traced).
+    """
+
+    @torch.compiler.disable
+    def __init__(self, counts: torch.Tensor):
+        self._event = None
+        if counts.is_cuda:
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = counts
+
+    @torch.compiler.disable
+    def wait(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+__all__ = ["MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta", "chunk_transpose_index"]
