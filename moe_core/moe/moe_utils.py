@@ -12,6 +12,7 @@ the permuted rows move in the autocast dtype: the cast is fused into the gather.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -160,6 +161,13 @@ def unpermute(permuted: torch.Tensor, row_map: RowMap) -> torch.Tensor:
     return unpermute_rows(permuted, row_map.token_of_row, row_map.row_of_slot)
 
 
+@functools.cache
+def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+    """A side CUDA stream of ``device`` for the MoE layer's overlapped work, one per ``purpose`` (``"dispatch"``:
+    the dispatcher's index kernels; ``"shared_expert"``), so that the short work never queues behind the long."""
+    return torch.cuda.Stream(device)
+
+
 def _compute_dtype(tokens: torch.Tensor) -> torch.dtype:
     """The autocast dtype for float32/16-bit tokens inside ``torch.autocast``, else tokens' own dtype."""
     device_type = tokens.device.type
@@ -179,4 +187,4 @@ def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch
         raise ValueError(f"probs: expected {tuple(routing_map.shape)} like routing_map, got {tuple(probs.shape)}")
 
 
-__all__ = ["RowMap", "build_row_map", "permute", "unpermute"]
+__all__ = ["RowMap", "build_row_map", "permute", "unpermute", "side_stream"]

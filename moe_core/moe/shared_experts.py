@@ -14,6 +14,7 @@ from torch import nn
 
 from moe_core.config import TransformerConfig
 from moe_core.mlp import MLP
+from moe_core.moe.moe_utils import side_stream
 
 
 class SharedExpertMLP(MLP):
@@ -66,9 +67,7 @@ class SharedExpertMLP(MLP):
     @torch.compiler.disable
     def _start_on_side_stream(self, hidden: torch.Tensor) -> Callable[[], torch.Tensor]:
         main = torch.cuda.current_stream(hidden.device)
-        if self._stream is None or self._stream.device != hidden.device:
-            self._stream = torch.cuda.Stream(hidden.device)
-        side = self._stream
+        side = self._stream = side_stream(hidden.device, "shared_expert")
         side.wait_stream(main)
         with torch.cuda.stream(side):
             out = self(hidden)

@@ -23,9 +23,14 @@ probs' one when L = 1), in combine one all-to-all, and their mirrors in backward
 
 Host syncs: with ``drop_and_pad`` the split sizes are static and there is none. Otherwise exactly one per
 dispatch (Megatron's ``preprocess`` has the same): ``all_to_all_single`` takes its split sizes as host ints, so
-the exchanged counts must reach the host. Their copy is queued right after the count exchange and waited for
-only after the permute is queued, so the GPU permutes while the host waits (``_CountsCopy``); the sort indices
-are computed on the device from the received counts, and backward needs no host data beyond the same splits.
+the exchanged counts must reach the host (``_CountsCopy.wait``). Backward needs no host data beyond the same
+splits.
+
+Streams (CUDA): the count exchange and its copy to pinned host memory run on a side stream
+(``moe_utils.side_stream(device, "dispatch")``) that waits for the routing only, so they proceed while the
+current stream permutes, and the host's wait blocks on that copy's event, not on the permute. The sort indices
+are computed from the received counts on the same side stream while the rows' all-to-all is in flight; the
+current stream waits for them (an event) before the gather. Off CUDA everything runs in order.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.moe_utils import RowMap, permute, unpermute
+from moe_core.moe.moe_utils import RowMap, permute, side_stream, unpermute
 from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
 from moe_core.ops.permute import permute_rows, unpermute_rows_packed
 from moe_core.parallel.collectives import all_to_all
@@ -113,12 +118,11 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
             return sent, counts_L, sent_probs.float(), AlltoAllDispatchMeta(row_map, (), (), None, None)
 
         if capacity is None:
-            sent_counts_E = routing_map.sum(dim=0)  # rows this rank sends to each expert, global order
-            # received_counts[s * L + e]: rows source rank s sends to local expert e.
-            received_counts = all_to_all(sent_counts_E, [num_local] * ep, [num_local] * ep, self.ep_group)
-            counts_copy = _CountsCopy(torch.cat([sent_counts_E, received_counts]))
-        else:
-            received_counts = torch.full((ep * num_local,), capacity, dtype=torch.int64, device=hidden.device)
+            received_counts, counts_copy = self._exchange_counts(routing_map.sum(dim=0))
+        else:  # static: made where _received_layout reads it, the side stream on CUDA
+            received_counts, = _on_side_stream(
+                lambda: (hidden.new_full((ep * num_local,), capacity, dtype=torch.int64),), hidden.device,
+                after_current=False, join=False)
         packed = num_local > 1
         sent, sent_probs, row_map = permute(hidden, routing_map, pack_probs=packed, **permute_kwargs)
         if capacity is None:
@@ -128,18 +132,31 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         else:
             input_splits = output_splits = [num_local * capacity] * ep
         received = all_to_all(sent, output_splits, input_splits, self.ep_group)
-        tokens_per_expert_L = received_counts.view(ep, num_local).sum(dim=0)
+        tokens_per_expert_L, sort_index, unsort_index = _received_layout(
+            received_counts.view(ep, num_local), sum(output_splits), packed)
         if not packed:
             received_probs = all_to_all(sent_probs.float(), output_splits, input_splits, self.ep_group)
             return received, tokens_per_expert_L, received_probs, AlltoAllDispatchMeta(
                 row_map, tuple(input_splits), tuple(output_splits), None, None)
-        num_received = sum(output_splits)
-        sort_index = chunk_transpose_index(received_counts.view(ep, num_local), num_received)
-        unsort_index = chunk_transpose_index(received_counts.view(ep, num_local).t(), num_received)
         received_RH, received_probs = unpermute_rows_packed(received, unsort_index, sort_index.unsqueeze(1),
                                                             hidden_size)
         meta = AlltoAllDispatchMeta(row_map, tuple(input_splits), tuple(output_splits), unsort_index, sort_index)
         return received_RH, tokens_per_expert_L, received_probs.index_select(0, sort_index), meta
+
+    def _exchange_counts(self, sent_counts_E: torch.Tensor) -> tuple[torch.Tensor, _CountsCopy]:
+        """``received_counts [ep * L]`` (entry ``s * L + e``: rows source rank s sends to local expert e) and the
+        host copy of ``[sent_counts_E, received_counts]``.
+
+        On CUDA both run on the dispatcher's side stream after the work queued so far, so the exchange (a
+        latency-bound collective) and the copy run alongside the permute; the current stream does not wait.
+        """
+        ep, num_local = self.ep_size, self.num_local_experts
+
+        def exchange():
+            received = all_to_all(sent_counts_E, [num_local] * ep, [num_local] * ep, self.ep_group)
+            return received, _CountsCopy(torch.cat([sent_counts_E, received]))
+
+        return _on_side_stream(exchange, sent_counts_E.device, sent_counts_E, after_current=True, join=False)
 
     def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
         """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[T, H]``.
@@ -152,6 +169,46 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
                 out = permute_rows(out, meta.unsort_index, meta.sort_index.unsqueeze(1))
             out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
         return unpermute(out, meta.row_map)
+
+
+def _received_layout(counts_SL: torch.Tensor, num_rows: int, sort: bool):
+    """``(tokens_per_expert [L], sort_index [R] or None, unsort_index [R] or None)`` of the received rows.
+
+    On CUDA the few dozen tiny kernels run on the dispatcher's side stream, after the count exchange queued there
+    and not after the permute or the all-to-all queued on the current stream, so they stay off the critical path;
+    the current stream waits for them before their first use.
+    """
+    def layout():
+        indices = (chunk_transpose_index(counts_SL, num_rows), chunk_transpose_index(counts_SL.t(), num_rows))
+        return (counts_SL.sum(dim=0), *(indices if sort else (None, None)))
+
+    return _on_side_stream(layout, counts_SL.device, counts_SL, after_current=False, join=True)
+
+
+@torch.compiler.disable
+def _on_side_stream(fn, device: torch.device, *inputs: torch.Tensor, after_current: bool, join: bool) -> tuple:
+    """``fn()`` on ``device``'s side stream ``"dispatch"`` (in place off CUDA); returns its outputs, a tuple.
+
+    ``inputs``: the tensors ``fn`` reads, kept from reuse until the side stream has read them. ``after_current``:
+    the side stream first waits for the work queued so far on the current stream (else only for its own earlier
+    work). ``join``: the current stream waits for ``fn``'s kernels, and its tensor outputs are recorded as used
+    there (allocated on the side stream, they must outlive the side stream's next work).
+    """
+    if device.type != "cuda":
+        return fn()
+    main, side = torch.cuda.current_stream(device), side_stream(device, "dispatch")
+    if after_current:
+        side.wait_stream(main)
+    with torch.cuda.stream(side):
+        outputs = fn()
+    for tensor in inputs:
+        tensor.record_stream(side)
+    if join:
+        main.wait_stream(side)
+        for out in outputs:
+            if isinstance(out, torch.Tensor):
+                out.record_stream(main)
+    return outputs
 
 
 def _per_rank(counts: list[int], num_local: int) -> list[int]:
