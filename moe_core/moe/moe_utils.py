@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.ops.permute import permute_rows, permute_rows_packed, unpermute_rows
+from moe_core.ops.pack import pack_rows
+from moe_core.ops.permute import permute_rows, unpermute_rows
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,12 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
             rows whose prob is 0, C rows in all. The router must already have dropped tokens beyond C
             (``apply_token_dropping``); extra ones would be cut here silently.
         num_slots: K, at least the most experts any token has; None: E (always enough).
-        pack_probs: write the float32 probs into the rows' tails (``moe_core.ops.permute.permute_rows_packed``,
+        pack_probs: write the float32 probs into the rows' tails (``moe_core.ops.pack.pack_rows`` with one value,
             ``[R, W]``) in the same pass, instead of returning them apart; needs ``probs``.
     Returns:
-        ``(permuted [R, H], permuted_probs [R] float32-or-probs'-dtype or None, row_map)``, or with
-        ``pack_probs`` ``(packed [R, W], None, row_map)``; the rows are in tokens' dtype, or the autocast dtype
-        inside ``torch.autocast``. Host sync: only without ``drop_and_pad`` and without ``num_out_tokens`` (R is
+        ``(permuted [R, H], permuted_probs [R] in probs' dtype or None, row_map)``, or with ``pack_probs``
+        ``(packed [R, W], None, row_map)``; the rows are in tokens' dtype, or the autocast dtype inside
+        ``torch.autocast``. Host sync: only without ``drop_and_pad`` and without ``num_out_tokens`` (R is
         data-dependent; ``nonzero`` must size its output).
     Raises:
         ValueError / TypeError: shapes, dtypes, ``num_slots`` or ``num_out_tokens`` do not fit, or
@@ -114,9 +115,8 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
         raise ValueError("probs: pack_probs=True needs probs, got None")
     num_tokens, num_experts = routing_map.shape
     num_slots = num_experts if num_slots is None else num_slots
-    checkable = not routing_map.is_cuda and not torch.compiler.is_compiling()
-    if checkable and num_tokens and int(routing_map.sum(dim=1).max()) > num_slots:
-        raise ValueError(f"num_slots: a token has {int(routing_map.sum(dim=1).max())} experts, more than {num_slots}")
+    check_num_slots(routing_map, num_slots)
+    checkable = _checkable(routing_map)
     capacity = None
     if drop_and_pad:
         if num_out_tokens is None or num_out_tokens < 0 or num_out_tokens % num_experts:
@@ -132,10 +132,10 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     if probs is not None:
         permuted_probs = probs[row_map.token_of_row.clamp_min(0), expert_of_row] * (row_map.token_of_row >= 0)
     if pack_probs:
-        packed = permute_rows_packed(tokens, permuted_probs.float(), row_map.token_of_row, row_map.row_of_slot,
-                                     _compute_dtype(tokens))
+        packed = pack_rows(tokens, permuted_probs.float().unsqueeze(1), row_map.token_of_row.unsqueeze(1),
+                           row_map.row_of_slot, compute_dtype(tokens))
         return packed, None, row_map
-    permuted = permute_rows(tokens, row_map.token_of_row, row_map.row_of_slot, _compute_dtype(tokens))
+    permuted = permute_rows(tokens, row_map.token_of_row, row_map.row_of_slot, compute_dtype(tokens))
     return permuted, permuted_probs, row_map
 
 
@@ -168,7 +168,18 @@ def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _compute_dtype(tokens: torch.Tensor) -> torch.dtype:
+def check_num_slots(routing_map: torch.Tensor, num_slots: int) -> None:
+    """Raise ``ValueError`` when a token of ``routing_map`` [T, E] has more than ``num_slots`` experts. Checked on
+    the CPU outside compilation only, where it costs no host sync."""
+    if _checkable(routing_map) and routing_map.shape[0] and int(routing_map.sum(dim=1).max()) > num_slots:
+        raise ValueError(f"num_slots: a token has {int(routing_map.sum(dim=1).max())} experts, more than {num_slots}")
+
+
+def _checkable(routing_map: torch.Tensor) -> bool:
+    return not routing_map.is_cuda and not torch.compiler.is_compiling()
+
+
+def compute_dtype(tokens: torch.Tensor) -> torch.dtype:
     """The autocast dtype for float32/16-bit tokens inside ``torch.autocast``, else tokens' own dtype."""
     device_type = tokens.device.type
     if tokens.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
@@ -187,4 +198,4 @@ def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch
         raise ValueError(f"probs: expected {tuple(routing_map.shape)} like routing_map, got {tuple(probs.shape)}")
 
 
-__all__ = ["RowMap", "build_row_map", "permute", "unpermute", "side_stream"]
+__all__ = ["RowMap", "build_row_map", "permute", "unpermute", "side_stream", "check_num_slots", "compute_dtype"]

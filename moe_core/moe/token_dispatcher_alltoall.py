@@ -1,36 +1,52 @@
 """All-to-all token dispatcher for expert parallelism (Megatron-LM's ``MoEAlltoAllTokenDispatcher``).
 
-Legend (docs/design.md): T this rank's tokens, H hidden, E experts, L = E / ep local experts, K topk,
-R_s rows this rank sends (T * K before dropping), R rows this rank's experts receive, C capacity,
-W = ``packed_width(H)`` columns of a packed row (``moe_core.ops.permute``).
+Legend (docs/design.md): T this rank's tokens, H hidden, E experts, L = E / ep local experts, K topk, N_s rows
+this rank sends, N rows it receives, R rows its experts receive, C capacity, W the packed width
+(``moe_core.ops.pack``: a row's H values plus a tail of float32 values).
 
-dispatch:  exchange the per-expert counts (all-to-all of E ints), start copying them to the host
-           permute [T, H] and probs -> packed rows [R_s, W] in the send buffer, rank-major then local-expert-major
-           (global expert order), one gather
-           wait for the counts on the host                       (the host sync, see below)
-           all_to_all of the packed rows                         -> [R, W] grouped by (source rank, local expert)
-           one gather by a device-computed index sorts and unpacks -> [R, H] and probs [R], grouped by
-           (local expert, source rank)
+Both layouts below hand the experts the same rows in the same order: grouped by local expert, then source rank,
+then token index (the all-gather dispatcher's order too).
+
+Token rows (the default; L > 1 without drop_and_pad): a token travels once to each EP rank holding any of its
+experts, however many it holds there (top-8 of 128 experts over 2 ranks: about 4 per rank, so a quarter of the
+bytes of one row per expert), and the receiver expands it.
+
+dispatch:  exchange the counts (per peer: rows for each of its L experts and the tokens it gets), copy them to the
+           host and wait                                   (the host sync)
+           pack [T, H] -> [N_s, W] rank-major, token order; each row's tail holds its token's experts on that rank
+           and their probs                                 (one gather)
+           all_to_all                                       -> [N, W] source-major
+           gather by local expert out of the packed rows    -> [R, H], probs [R]   (one gather)
+combine:   sum each received token's expert rows           -> [N, H]             (gather-sum)
+           reverse all_to_all                               -> [N_s, H]
+           sum each token's rows from its ranks             -> [T, H]             (gather-sum)
+
+Expert rows (drop_and_pad, whose static shapes need a row per (token, expert) and capacity slot; and L = 1, where
+both layouts coincide): Megatron's layout.
+
+dispatch:  exchange the per-expert counts unless drop_and_pad (static), copy to the host and wait
+           permute [T, H] -> [R_s, W] rank-major then local-expert-major (global expert order), probs in the tails
+           all_to_all                                       -> [R, W] grouped by (source rank, local expert)
+           one gather by a device-computed index sorts by local expert and unpacks -> [R, H], probs [R]
 combine:   one gather back to (source rank, local expert) order -> reverse all_to_all -> unpermute (gather-sum)
-           -> [T, H]
+With L = 1 rows arrive sorted: rows and probs travel unpacked in two all-to-alls and nothing is sorted.
 
-With one local expert (L = 1) the rows arrive sorted: rows and probs travel apart in two all-to-alls and
-neither side gathers (unpacking alone would cost a pass over the rows, more than the small second collective).
+Every rank issues the same collectives in the same order whatever the routing, a rank sending or receiving
+nothing included: the count exchange (not with drop_and_pad), the rows' all-to-all (plus the probs' with L = 1),
+combine's all-to-all, and their mirrors in backward.
 
-Every rank issues the same collectives in the same order whatever the routing, including a rank that sends or
-receives zero rows: in dispatch the count exchange (without drop_and_pad) and the rows' all-to-all (plus the
-probs' one when L = 1), in combine one all-to-all, and their mirrors in backward.
-
-Host syncs: with ``drop_and_pad`` the split sizes are static and there is none. Otherwise exactly one per
-dispatch (Megatron's ``preprocess`` has the same): ``all_to_all_single`` takes its split sizes as host ints, so
-the exchanged counts must reach the host (``_CountsCopy.wait``). Backward needs no host data beyond the same
-splits.
+Host syncs: none with drop_and_pad (static split sizes); otherwise exactly one per dispatch (Megatron's
+``preprocess`` has the same): ``all_to_all_single`` takes its split sizes as host ints, so the exchanged counts
+must reach the host (``_CountsCopy.wait``), which also sizes the row maps without more syncs. Backward needs no
+host data beyond the same splits.
 
 Streams (CUDA): the count exchange and its copy to pinned host memory run on a side stream
-(``moe_utils.side_stream(device, "dispatch")``) that waits for the routing only, so they proceed while the
-current stream permutes, and the host's wait blocks on that copy's event, not on the permute. The sort indices
-are computed from the received counts on the same side stream while the rows' all-to-all is in flight; the
-current stream waits for them (an event) before the gather. Off CUDA everything runs in order.
+(``moe_utils.side_stream(device, "dispatch")``) after the routing only, so they overlap the work queued after
+them (the experts' ids and probs per token; the sort indices of the expert-row layout, computed there while the
+rows' all-to-all is in flight). The current stream waits for what it uses (events). Off CUDA all runs in order.
+
+Precision: the token-row combine rounds each rank's partial sum to the rows' dtype before the return trip (the
+all-gather dispatcher's reduce-scatter does the same); the expert-row combine sums all K rows at once in float32.
 """
 
 from __future__ import annotations
@@ -39,9 +55,18 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.moe_utils import RowMap, permute, side_stream, unpermute
+from moe_core.moe.moe_utils import (
+    RowMap,
+    build_row_map,
+    check_num_slots,
+    compute_dtype,
+    permute,
+    side_stream,
+    unpermute,
+)
 from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
-from moe_core.ops.permute import permute_rows, unpermute_rows_packed
+from moe_core.ops.pack import pack_rows, packed_values, unpack_rows
+from moe_core.ops.permute import permute_rows, unpermute_rows
 from moe_core.parallel.collectives import all_to_all
 
 
@@ -50,18 +75,21 @@ class AlltoAllDispatchMeta:
     """What ``combine`` needs to undo ``dispatch``.
 
     Attributes:
-        row_map: the ``moe_utils.RowMap`` of this rank's tokens and the rows it sends (from ``permute``).
+        row_map: the ``moe_utils.RowMap`` of this rank's tokens and the rows it sends.
         input_splits / output_splits: rows sent to / received from each EP rank (host ints).
-        unsort_index: ``[R]`` int64 on the device, the expert-major row each (source rank, local expert)-major
-            row came from (combine's gather); None when L = 1 or EP = 1.
-        sort_index: ``[R]`` int64, the inverse permutation (the unsort's backward); None likewise.
+        received_map: token rows: the ``RowMap`` of the received rows (as tokens) and the experts' rows; None for
+            expert rows.
+        unsort_index: expert rows with L > 1: ``[R]`` int64, the expert-major row each (source rank, local
+            expert)-major row came from (combine's gather); else None.
+        sort_index: ``[R]`` int64, its inverse permutation (the unsort's backward); None likewise.
     """
 
     row_map: RowMap
     input_splits: tuple[int, ...]
     output_splits: tuple[int, ...]
-    unsort_index: torch.Tensor | None
-    sort_index: torch.Tensor | None
+    received_map: RowMap | None = None
+    unsort_index: torch.Tensor | None = None
+    sort_index: torch.Tensor | None = None
 
 
 def chunk_transpose_index(counts_AB: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -106,25 +134,82 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
             ValueError: shapes disagree.
         """
         check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
+        if self.ep_size == 1:
+            sent, sent_probs, row_map = permute(hidden, routing_map, **self._permute_kwargs(hidden.shape[0], probs))
+            capacity = self.capacity(hidden.shape[0])
+            counts_L = routing_map.sum(dim=0) if capacity is None else torch.full(
+                (self.num_local_experts,), capacity, dtype=torch.int64, device=hidden.device)
+            return sent, counts_L, sent_probs.float(), AlltoAllDispatchMeta(row_map, (), ())
+        if self.drop_and_pad or self.num_local_experts == 1:
+            return self._dispatch_expert_rows(hidden, probs, routing_map)
+        return self._dispatch_token_rows(hidden, probs, routing_map)
+
+    def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
+        """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[T, H]``.
+
+        Probs were applied inside the experts, so this is a pure sum over each token's rows.
+        """
+        out = expert_output  # [R, H], then [N or R, H] to send, then [N_s or R_s, H] back on this rank
+        if self.ep_size > 1:
+            if meta.received_map is not None:
+                out = unpermute_rows(out, meta.received_map.token_of_row, meta.received_map.row_of_slot)
+            elif meta.unsort_index is not None:
+                out = permute_rows(out, meta.unsort_index, meta.sort_index.unsqueeze(1))
+            out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
+        return unpermute(out, meta.row_map)
+
+    def _permute_kwargs(self, num_tokens: int, probs: torch.Tensor) -> dict:
+        return dict(probs=probs, num_out_tokens=self.num_out_tokens(num_tokens), drop_and_pad=self.drop_and_pad,
+                    num_slots=None if self.drop_and_pad else self.topk)
+
+    def _dispatch_token_rows(self, hidden, probs, routing_map):
+        num_tokens, hidden_size = hidden.shape
+        ep, num_local, topk = self.ep_size, self.num_local_experts, self.topk
+        check_num_slots(routing_map, topk)
+        routing_TRL = routing_map.view(num_tokens, ep, num_local)
+        dest_TR = routing_TRL.any(dim=2)  # [T, ep]: token t goes to rank r
+        # Per peer: rows for each of its local experts, then the tokens it gets.
+        counts_RC = torch.cat([routing_TRL.sum(dim=0), dest_TR.sum(dim=0, keepdim=True).t()], dim=1)
+        received_counts, counts_copy = self._exchange_counts(counts_RC.reshape(-1), num_local + 1)
+        experts_TK, probs_TK = token_experts(routing_map, probs, topk)
+        host = counts_copy.wait()
+        sent_RC, received_RC = host[:ep * (num_local + 1)], host[ep * (num_local + 1):]
+        input_splits, output_splits = sent_RC[num_local::num_local + 1], received_RC[num_local::num_local + 1]
+        num_expert_rows = sum(received_RC) - sum(output_splits)
+
+        sent_map, dest_of_row = build_row_map(dest_TR, ep, num_out_tokens=sum(input_splits))
+        values = _row_values(experts_TK, probs_TK, sent_map.token_of_row, dest_of_row, num_local)  # [N_s, 2K]
+        packed = pack_rows(hidden, values, sent_map.token_of_row.unsqueeze(1), sent_map.row_of_slot,
+                           compute_dtype(hidden))
+        received = all_to_all(packed, output_splits, input_splits, self.ep_group)  # [N, W]
+
+        local_NK = packed_values(received, hidden_size, 2 * topk)[:, :topk].long()
+        slot_column = torch.where(local_NK >= 0, local_NK, num_local)  # empty slots write a spare column
+        routing_NL = received.new_zeros(received.shape[0], num_local + 1, dtype=torch.bool).scatter_(
+            1, slot_column, True)[:, :num_local]
+        received_map, expert_of_row = build_row_map(routing_NL, topk, num_out_tokens=num_expert_rows)
+        rows_RH, values_NV = unpack_rows(received, received_map.token_of_row.unsqueeze(1), received_map.row_of_slot,
+                                         hidden_size, 2 * topk)
+        probs_NL = values_NV.new_zeros(received.shape[0], num_local + 1).scatter(1, slot_column, values_NV[:, topk:])
+        probs_R = probs_NL[received_map.token_of_row, expert_of_row]
+        meta = AlltoAllDispatchMeta(sent_map, tuple(input_splits), tuple(output_splits), received_map=received_map)
+        return rows_RH, routing_NL.sum(dim=0), probs_R, meta
+
+    def _dispatch_expert_rows(self, hidden, probs, routing_map):
         num_tokens, hidden_size = hidden.shape
         ep, num_local = self.ep_size, self.num_local_experts
         capacity = self.capacity(num_tokens)
-        permute_kwargs = dict(probs=probs, num_out_tokens=self.num_out_tokens(num_tokens),
-                              drop_and_pad=self.drop_and_pad, num_slots=None if self.drop_and_pad else self.topk)
-        if ep == 1:
-            sent, sent_probs, row_map = permute(hidden, routing_map, **permute_kwargs)
-            counts_L = routing_map.sum(dim=0) if capacity is None else torch.full(
-                (num_local,), capacity, dtype=torch.int64, device=hidden.device)
-            return sent, counts_L, sent_probs.float(), AlltoAllDispatchMeta(row_map, (), (), None, None)
-
         if capacity is None:
-            received_counts, counts_copy = self._exchange_counts(routing_map.sum(dim=0))
+            sent_counts_E = routing_map.sum(dim=0)  # rows this rank sends to each expert, global order
+            # received_counts[s * L + e]: rows source rank s sends to local expert e.
+            received_counts, counts_copy = self._exchange_counts(sent_counts_E, num_local)
         else:  # static: made where _received_layout reads it, the side stream on CUDA
             received_counts, = _on_side_stream(
                 lambda: (hidden.new_full((ep * num_local,), capacity, dtype=torch.int64),), hidden.device,
                 after_current=False, join=False)
         packed = num_local > 1
-        sent, sent_probs, row_map = permute(hidden, routing_map, pack_probs=packed, **permute_kwargs)
+        sent, sent_probs, row_map = permute(hidden, routing_map, pack_probs=packed,
+                                            **self._permute_kwargs(num_tokens, probs))
         if capacity is None:
             host_counts = counts_copy.wait()
             input_splits = _per_rank(host_counts[:self.num_experts], num_local)
@@ -137,42 +222,53 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         if not packed:
             received_probs = all_to_all(sent_probs.float(), output_splits, input_splits, self.ep_group)
             return received, tokens_per_expert_L, received_probs, AlltoAllDispatchMeta(
-                row_map, tuple(input_splits), tuple(output_splits), None, None)
-        received_RH, received_probs = unpermute_rows_packed(received, unsort_index, sort_index.unsqueeze(1),
-                                                            hidden_size)
-        meta = AlltoAllDispatchMeta(row_map, tuple(input_splits), tuple(output_splits), unsort_index, sort_index)
-        return received_RH, tokens_per_expert_L, received_probs.index_select(0, sort_index), meta
+                row_map, tuple(input_splits), tuple(output_splits))
+        received_RH, received_probs = unpack_rows(received, sort_index.unsqueeze(1), unsort_index.unsqueeze(1),
+                                                  hidden_size, 1)
+        meta = AlltoAllDispatchMeta(row_map, tuple(input_splits), tuple(output_splits), unsort_index=unsort_index,
+                                    sort_index=sort_index)
+        return received_RH, tokens_per_expert_L, received_probs[:, 0].index_select(0, sort_index), meta
 
-    def _exchange_counts(self, sent_counts_E: torch.Tensor) -> tuple[torch.Tensor, _CountsCopy]:
-        """``received_counts [ep * L]`` (entry ``s * L + e``: rows source rank s sends to local expert e) and the
-        host copy of ``[sent_counts_E, received_counts]``.
+    def _exchange_counts(self, counts: torch.Tensor, per_peer: int) -> tuple[torch.Tensor, _CountsCopy]:
+        """The counts ``[ep * per_peer]`` (``per_peer`` to each EP rank, in rank order) exchanged, and the host copy
+        of ``[counts, received]``.
 
         On CUDA both run on the dispatcher's side stream after the work queued so far, so the exchange (a
-        latency-bound collective) and the copy run alongside the permute; the current stream does not wait.
+        latency-bound collective) and the copy proceed while the current stream works on; it does not wait.
         """
-        ep, num_local = self.ep_size, self.num_local_experts
+        splits = [per_peer] * self.ep_size
 
         def exchange():
-            received = all_to_all(sent_counts_E, [num_local] * ep, [num_local] * ep, self.ep_group)
-            return received, _CountsCopy(torch.cat([sent_counts_E, received]))
+            received = all_to_all(counts, splits, splits, self.ep_group)
+            return received, _CountsCopy(torch.cat([counts, received]))
 
-        return _on_side_stream(exchange, sent_counts_E.device, sent_counts_E, after_current=True, join=False)
+        return _on_side_stream(exchange, counts.device, counts, after_current=True, join=False)
 
-    def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
-        """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[T, H]``.
 
-        Probs were applied inside the experts, so this is a pure sum over each token's rows.
-        """
-        out = expert_output  # [R, H], then [R_s, H] once back on this rank
-        if self.ep_size > 1:
-            if meta.unsort_index is not None:
-                out = permute_rows(out, meta.unsort_index, meta.sort_index.unsqueeze(1))
-            out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
-        return unpermute(out, meta.row_map)
+def token_experts(routing_map: torch.Tensor, probs: torch.Tensor, num_slots: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts in ascending order, ``[T, K]`` int64 (-1 in empty slots), and their probs ``[T, K]``
+    float32 (0 in empty slots; differentiable in ``probs``). K = ``num_slots``, at least any token's expert count."""
+    num_experts = routing_map.shape[1]
+    key = torch.where(routing_map, -torch.arange(num_experts, device=routing_map.device, dtype=torch.float32),
+                      -float("inf"))
+    order = key.topk(num_slots, dim=1).indices  # routed experts first, lowest id first
+    valid = routing_map.gather(1, order)
+    return torch.where(valid, order, -1), probs.float().gather(1, order) * valid
+
+
+def _row_values(experts_TK: torch.Tensor, probs_TK: torch.Tensor, token_of_row: torch.Tensor,
+                dest_of_row: torch.Tensor, num_local: int) -> torch.Tensor:
+    """``[N_s, 2K]`` float32, a tail per sent row: its token's experts on the row's destination as local ids
+    (exact in float32; -1 in other slots), then their probs (0 in other slots)."""
+    experts = experts_TK[token_of_row]
+    here = (experts >= 0) & (experts.div(num_local, rounding_mode="floor") == dest_of_row.unsqueeze(1))
+    local = torch.where(here, experts.remainder(num_local), -1)
+    return torch.cat([local.float(), probs_TK[token_of_row] * here], dim=1)
 
 
 def _received_layout(counts_SL: torch.Tensor, num_rows: int, sort: bool):
-    """``(tokens_per_expert [L], sort_index [R] or None, unsort_index [R] or None)`` of the received rows.
+    """``(tokens_per_expert [L], sort_index [R] or None, unsort_index [R] or None)`` of expert rows received.
 
     On CUDA the few dozen tiny kernels run on the dispatcher's side stream, after the count exchange queued there
     and not after the permute or the all-to-all queued on the current stream, so they stay off the critical path;
@@ -242,4 +338,4 @@ class _CountsCopy:
         return self._host.tolist()
 
 
-__all__ = ["MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta", "chunk_transpose_index"]
+__all__ = ["MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta", "chunk_transpose_index", "token_experts"]

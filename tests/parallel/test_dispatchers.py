@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from moe_core.moe.capacity import apply_token_dropping
 from moe_core.moe.token_dispatcher_alltoall import _CountsCopy
-from moe_core.ops.permute import packed_width
+from moe_core.ops.pack import packed_width
 from tests.parallel._common import all_reduce_sum, compare, groups
 from tests.parallel._launch import BACKEND, device, run_distributed
 from tests.parallel._models import (
@@ -171,9 +171,11 @@ def test_same_collectives_on_every_rank(dispatcher, scenarios):
 @pytest.mark.parametrize("capacity", [None, "pad"])
 def test_alltoall_sends_probs_inside_the_rows_and_syncs_once(capacity):
     """Several local experts: one count exchange (none with drop_and_pad, whose splits are static), then one
-    all-to-all of packed rows (hidden + prob) each way per dispatch and one per combine; the host waits for the
-    counts once per dispatch (never with drop_and_pad). One local expert: rows and probs travel apart."""
-    hidden, width = 16, packed_width(16)
+    all-to-all of packed rows (hidden + tail: the probs, and without drop_and_pad the local experts) each way per
+    dispatch and one per combine; the host waits for the counts once per dispatch (never with drop_and_pad). One
+    local expert: rows and probs travel apart."""
+    hidden, topk = 16, 2
+    width = packed_width(hidden, 1 if capacity else 2 * topk, torch.float32)
     count, rows = "all_to_all_single():torch.int64", f"all_to_all_single{(hidden,)}:torch.float32"
     packed, probs = f"all_to_all_single{(width,)}:torch.float32", "all_to_all_single():torch.float32"
     head = [] if capacity else [count]
@@ -184,6 +186,26 @@ def test_alltoall_sends_probs_inside_the_rows_and_syncs_once(capacity):
     for trace, waits in run_distributed(2, _collective_trace, scenario="balanced", dispatcher="alltoall",
                                         num_experts=2):
         assert sorted(trace) == sorted([count, rows, probs, rows, rows, rows, probs]) and waits == 1
+
+
+def _bytes_sent(scenario: str, topk: int) -> int:
+    """Rows this rank hands to the rows' all-to-all in one alltoall dispatch (self included)."""
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    pg = groups(world, NUM_EXPERTS)
+    sc = SCENARIOS[scenario]
+    model = ToyMoE(make_config(NUM_EXPERTS, topk, ep=world), pg, "alltoall", pg.ep_rank).to(dev)
+    tokens = GLOBAL_TOKENS // world
+    routing = forced_routing(sc, GLOBAL_TOKENS, world, world, NUM_EXPERTS)[rank * tokens:][:tokens].to(dev)
+    _, _, _, meta = model.dispatcher.dispatch(torch.randn(tokens, 16, device=dev), torch.rand(routing.shape,
+                                              device=dev) * routing, routing)
+    return sum(meta.input_splits)
+
+
+def test_alltoall_sends_each_token_once_per_rank():
+    """Token rows: a token travels once to each rank holding any of its experts, however many it holds there.
+    "balanced" routes token t to experts 2t, 2t+1 (mod 8), both on one of the 2 ranks: one row per token, where one
+    row per expert would send two."""
+    assert run_distributed(2, _bytes_sent, scenario="balanced", topk=2) == [GLOBAL_TOKENS // 2] * 2
 
 
 def _sync_free_dispatch(capacity: str | None) -> bool:
