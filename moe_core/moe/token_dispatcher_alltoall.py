@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_core.moe.alltoall_layout import chunk_transpose_index, row_values, token_experts, token_rows
 from moe_core.moe.moe_utils import (
     RowMap,
     build_row_map,
@@ -90,30 +91,6 @@ class AlltoAllDispatchMeta:
     received_map: RowMap | None = None
     unsort_index: torch.Tensor | None = None
     sort_index: torch.Tensor | None = None
-
-
-def chunk_transpose_index(counts_AB: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """The gather index that reorders rows held in chunks (a, b), a-major, into b-major chunk order.
-
-    Megatron's ``sort_chunks_by_idxs`` for the chunk grid of an all-to-all, as one index: ``rows[index]`` lists
-    chunk (0, 0), (1, 0), ..., (A-1, 0), (0, 1), ... with each chunk's rows in their order. Computed on the
-    device (no host sync).
-
-    Args:
-        counts_AB: ``[A, B]`` int64, the rows of chunk (a, b).
-        num_rows: their sum (a host int, so the output's size needs no sync).
-    Returns:
-        ``[num_rows]`` int64 on counts' device, a permutation of ``range(num_rows)``.
-    """
-    num_a, num_b = counts_AB.shape
-    device = counts_AB.device
-    counts_ab = counts_AB.reshape(-1)
-    start_ab = counts_ab.cumsum(0) - counts_ab  # where chunk (a, b) starts in the a-major source
-    counts_ba = counts_AB.t().reshape(-1)
-    start_ba = counts_ba.cumsum(0) - counts_ba  # where chunk (a, b) starts in the b-major output
-    chunk = torch.repeat_interleave(torch.arange(num_a * num_b, device=device), counts_ba, output_size=num_rows)
-    shift = start_ab.view(num_a, num_b).t().reshape(-1) - start_ba  # per b-major chunk id
-    return torch.arange(num_rows, device=device) + shift[chunk]
 
 
 class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
@@ -170,16 +147,18 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         dest_TR = routing_TRL.any(dim=2)  # [T, ep]: token t goes to rank r
         # Per peer: rows for each of its local experts, then the tokens it gets.
         counts_RC = torch.cat([routing_TRL.sum(dim=0), dest_TR.sum(dim=0, keepdim=True).t()], dim=1)
-        received_counts, counts_copy = self._exchange_counts(counts_RC.reshape(-1), num_local + 1)
+        _, counts_copy = self._exchange_counts(counts_RC.reshape(-1), num_local + 1)
+        # Sized for T * ep rows until the host knows N_s: all of it queued before the host waits.
+        token_of_row, dest_of_row, row_of_slot = token_rows(dest_TR)
         experts_TK, probs_TK = token_experts(routing_map, probs, topk)
+        values = row_values(experts_TK, probs_TK, token_of_row, dest_of_row, num_local)  # [T * ep, 2K]
         host = counts_copy.wait()
         sent_RC, received_RC = host[:ep * (num_local + 1)], host[ep * (num_local + 1):]
         input_splits, output_splits = sent_RC[num_local::num_local + 1], received_RC[num_local::num_local + 1]
-        num_expert_rows = sum(received_RC) - sum(output_splits)
+        num_sent, num_expert_rows = sum(input_splits), sum(received_RC) - sum(output_splits)
 
-        sent_map, dest_of_row = build_row_map(dest_TR, ep, num_out_tokens=sum(input_splits))
-        values = _row_values(experts_TK, probs_TK, sent_map.token_of_row, dest_of_row, num_local)  # [N_s, 2K]
-        packed = pack_rows(hidden, values, sent_map.token_of_row.unsqueeze(1), sent_map.row_of_slot,
+        sent_map = RowMap(token_of_row[:num_sent], row_of_slot)
+        packed = pack_rows(hidden, values[:num_sent], sent_map.token_of_row.unsqueeze(1), row_of_slot,
                            compute_dtype(hidden))
         received = all_to_all(packed, output_splits, input_splits, self.ep_group)  # [N, W]
 
@@ -243,28 +222,6 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
             return received, _CountsCopy(torch.cat([counts, received]))
 
         return _on_side_stream(exchange, counts.device, counts, after_current=True, join=False)
-
-
-def token_experts(routing_map: torch.Tensor, probs: torch.Tensor, num_slots: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's experts in ascending order, ``[T, K]`` int64 (-1 in empty slots), and their probs ``[T, K]``
-    float32 (0 in empty slots; differentiable in ``probs``). K = ``num_slots``, at least any token's expert count."""
-    num_experts = routing_map.shape[1]
-    key = torch.where(routing_map, -torch.arange(num_experts, device=routing_map.device, dtype=torch.float32),
-                      -float("inf"))
-    order = key.topk(num_slots, dim=1).indices  # routed experts first, lowest id first
-    valid = routing_map.gather(1, order)
-    return torch.where(valid, order, -1), probs.float().gather(1, order) * valid
-
-
-def _row_values(experts_TK: torch.Tensor, probs_TK: torch.Tensor, token_of_row: torch.Tensor,
-                dest_of_row: torch.Tensor, num_local: int) -> torch.Tensor:
-    """``[N_s, 2K]`` float32, a tail per sent row: its token's experts on the row's destination as local ids
-    (exact in float32; -1 in other slots), then their probs (0 in other slots)."""
-    experts = experts_TK[token_of_row]
-    here = (experts >= 0) & (experts.div(num_local, rounding_mode="floor") == dest_of_row.unsqueeze(1))
-    local = torch.where(here, experts.remainder(num_local), -1)
-    return torch.cat([local.float(), probs_TK[token_of_row] * here], dim=1)
 
 
 def _received_layout(counts_SL: torch.Tensor, num_rows: int, sort: bool):
@@ -338,4 +295,4 @@ class _CountsCopy:
         return self._host.tolist()
 
 
-__all__ = ["MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta", "chunk_transpose_index", "token_experts"]
+__all__ = ["MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta"]
