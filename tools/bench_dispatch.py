@@ -7,10 +7,12 @@ NCCL floor of the same bytes.
     ... --expert scale                                               # the experts of the issue's baseline table
     nsys profile -o $OUT/dispatch --trace cuda,nvtx,osrt torchrun ... --iters 5   # NVTX ranges per phase
 
-Experts: ``identity`` (default), the dispatched rows go straight to combine and the probs get a gradient of ones,
-so only the dispatcher is timed (permute, the count exchange and its host sync, the all-to-alls or all-gather /
-reduce-scatter, the sort and unpermute); ``scale``, ``y = x * prob`` per row, one more pass over the rows each way.
-Uniform random top-k routing, bf16 rows (or --dtype).
+Dispatchers: ``alltoall`` (its default layout: token rows, a token once per EP rank), ``alltoall_expert_rows``
+(the same dispatcher forced to one row per (token, expert), Megatron's layout, which it keeps for drop_and_pad),
+``allgather``. Experts: ``identity`` (default), the dispatched rows go straight to combine and the probs get a
+gradient of ones, so only the dispatcher is timed (its gathers, the count exchange and its host sync, the
+collectives); ``scale``, ``y = x * prob`` per row, one more pass over the rows each way. Uniform random top-k
+routing, bf16 rows (or --dtype).
 
 Floor: the collectives one step of the dispatcher issues, recorded (shapes, dtypes, split sizes) and replayed alone
 on preallocated buffers, forward's and backward's separately: what NCCL needs to move those bytes, with no compute.
@@ -46,6 +48,15 @@ from moe_core.parallel.process_groups import ProcessGroupCollection  # noqa: E40
 EXPERTS = ("identity", "scale")
 
 
+class _ExpertRows(EP_DISPATCHERS["alltoall"]):
+    """The alltoall dispatcher with one row per (token, expert) whatever the config (an A/B of its layouts)."""
+
+    token_rows = False
+
+
+DISPATCHERS = {**EP_DISPATCHERS, "alltoall_expert_rows": _ExpertRows}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
@@ -53,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--dispatchers", nargs="+", choices=sorted(EP_DISPATCHERS), default=sorted(EP_DISPATCHERS))
+    parser.add_argument("--dispatchers", nargs="+", choices=sorted(DISPATCHERS), default=sorted(DISPATCHERS))
     parser.add_argument("--expert", choices=EXPERTS, default="identity",
                         help="what stands between dispatch and combine")
     parser.add_argument("--iters", type=int, default=20)
@@ -108,9 +119,9 @@ def bench_dispatcher(name: str, args, pg: ProcessGroupCollection, device: torch.
     """Rows for one dispatcher: its forward and backward beside the replay of their collectives."""
     config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
                                num_moe_experts=args.num_experts, moe_router_topk=args.topk,
-                               moe_token_dispatcher_type=name, expert_model_parallel_size=pg.ep_size)
+                               expert_model_parallel_size=pg.ep_size)
     local = pg.local_expert_indices(args.num_experts)
-    dispatcher = EP_DISPATCHERS[name](len(local), local, config, pg)
+    dispatcher = DISPATCHERS[name](len(local), local, config, pg)
     hidden, probs, routing_map = routing(args, device, dist.get_rank())
 
     def phases():
@@ -153,11 +164,11 @@ def print_table(rows: list[dict], args, pg: ProcessGroupCollection, device: torc
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# EP={pg.ep_size} tokens/rank={args.tokens} hidden={args.hidden} experts={args.num_experts} "
           f"topk={args.topk} {args.dtype} expert={args.expert} {dist.get_backend()} {gpu}")
-    print(f"{'dispatcher':<10} {'pass':<9} {'median ms':>10} {'min ms':>8} {'floor ms':>9} {'vs floor':>9} "
+    print(f"{'dispatcher':<20} {'pass':<9} {'median ms':>10} {'min ms':>8} {'floor ms':>9} {'vs floor':>9} "
           f"{'MiB moved':>9}")
     for r in rows:
         if "pass" in r:
-            print(f"{r['dispatcher']:<10} {r['pass']:<9} {r['median_ms']:>10.3f} {r['min_ms']:>8.3f} "
+            print(f"{r['dispatcher']:<20} {r['pass']:<9} {r['median_ms']:>10.3f} {r['min_ms']:>8.3f} "
                   f"{r['floor_ms']:>9.3f} {r['vs_floor'] or 0:>9.2f} {r['bytes_out'] / 2**20:>9.1f}")
     sweep = [r for r in rows if "pass" not in r]
     if sweep:

@@ -117,9 +117,14 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
             counts_L = routing_map.sum(dim=0) if capacity is None else torch.full(
                 (self.num_local_experts,), capacity, dtype=torch.int64, device=hidden.device)
             return sent, counts_L, sent_probs.float(), AlltoAllDispatchMeta(row_map, (), ())
-        if self.drop_and_pad or self.num_local_experts == 1:
-            return self._dispatch_expert_rows(hidden, probs, routing_map)
-        return self._dispatch_token_rows(hidden, probs, routing_map)
+        if self.token_rows:
+            return self._dispatch_token_rows(hidden, probs, routing_map)
+        return self._dispatch_expert_rows(hidden, probs, routing_map)
+
+    @property
+    def token_rows(self) -> bool:
+        """Whether rows travel per (token, EP rank) (module docstring); else per (token, expert)."""
+        return not self.drop_and_pad and self.num_local_experts > 1
 
     def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
         """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[T, H]``.

@@ -43,14 +43,18 @@ def test_bench_dispatch_times_each_dispatcher_beside_the_replay_of_its_collectiv
     ranks = run_distributed(2, _dispatch_rows, timeout=120)
     assert ranks[0] == ranks[1]  # every figure is the slowest rank's
     rows = {(r["dispatcher"], r.get("pass")): r for r in ranks[0]}
-    assert sorted(rows, key=str) == sorted([(d, p) for d in ("allgather", "alltoall") for p in ("forward", "backward")]
+    names = ("allgather", "alltoall", "alltoall_expert_rows")
+    assert sorted(rows, key=str) == sorted([(d, p) for d in names for p in ("forward", "backward")]
                                            + [("all_to_all_single", None)], key=str)
     for (_, phase), r in rows.items():
         keys = ("median_ms", "floor_ms", "vs_floor") if phase else ("median_ms", "busbw_gbs")
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in keys), r
-    # alltoall: the count exchange, the packed rows, combine's rows; backward mirrors the last two.
-    assert rows[("alltoall", "forward")]["collectives"] == ["all_to_all_single"] * 3
-    assert rows[("alltoall", "backward")]["collectives"] == ["all_to_all_single"] * 2
+    # alltoall: the count exchange, the packed rows, combine's rows; backward mirrors the last two. A token goes
+    # once to each rank: fewer bytes than a row per expert.
+    for name in ("alltoall", "alltoall_expert_rows"):
+        assert rows[(name, "forward")]["collectives"] == ["all_to_all_single"] * 3
+        assert rows[(name, "backward")]["collectives"] == ["all_to_all_single"] * 2
+    assert rows[("alltoall", "forward")]["bytes_out"] < rows[("alltoall_expert_rows", "forward")]["bytes_out"]
     assert rows[("allgather", "forward")]["collectives"] == ["all_gather_into_tensor"] * 3 + ["reduce_scatter_tensor"]
 
 
