@@ -42,7 +42,6 @@ class SharedExpertMLP(MLP):
             nn.init.normal_(self.gate_weight, mean=0.0, std=config.init_method_std)
         # Only EP dispatchers communicate: with one EP rank there is nothing to overlap.
         self.overlap = config.moe_shared_expert_overlap and config.expert_model_parallel_size > 1
-        self._stream: torch.cuda.Stream | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = super().forward(hidden)
@@ -67,7 +66,7 @@ class SharedExpertMLP(MLP):
     @torch.compiler.disable
     def _start_on_side_stream(self, hidden: torch.Tensor) -> Callable[[], torch.Tensor]:
         main = torch.cuda.current_stream(hidden.device)
-        side = self._stream = side_stream(hidden.device, "shared_expert")
+        side = side_stream(hidden.device, "shared_expert")
         side.wait_stream(main)
         with torch.cuda.stream(side):
             out = self(hidden)

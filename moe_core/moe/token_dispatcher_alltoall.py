@@ -8,8 +8,8 @@ Both layouts below hand the experts the same rows in the same order: grouped by 
 then token index (the all-gather dispatcher's order too).
 
 Token rows (the default; L > 1 without drop_and_pad): a token travels once to each EP rank holding any of its
-experts, however many it holds there (top-8 of 128 experts over 2 ranks: about 4 per rank, so a quarter of the
-bytes of one row per expert), and the receiver expands it.
+experts, however many it holds there (top-8 of 128 experts over 2 ranks: at most 2 rows per token where one row
+per expert sends 8), and the receiver expands it.
 
 dispatch:  exchange the counts (per peer: rows for each of its L experts and the tokens it gets), copy them to the
            host and wait                                   (the host sync)
