@@ -35,10 +35,11 @@ Every rank issues the same collectives in the same order whatever the routing, a
 nothing included: the count exchange (not with drop_and_pad), the rows' all-to-all (plus the probs' with L = 1),
 combine's all-to-all, and their mirrors in backward.
 
-Host syncs: none with drop_and_pad (static split sizes); otherwise exactly one per dispatch (Megatron's
-``preprocess`` has the same): ``all_to_all_single`` takes its split sizes as host ints, so the exchanged counts
-must reach the host (``_CountsCopy.wait``), which also sizes the row maps without more syncs. Backward needs no
-host data beyond the same splits.
+Host syncs: none with drop_and_pad (static split sizes); otherwise one per dispatch (Megatron's ``preprocess``
+has the same): ``all_to_all_single`` takes its split sizes as host ints, so the exchanged counts must reach the
+host (``_CountsCopy.wait``), which also sizes the row maps without more syncs. (With L = 1, a capacity factor and
+no padding, ``permute`` adds its own to size the data-dependent rows.) Backward needs no host data beyond the same
+splits.
 
 Streams (CUDA): the count exchange and its copy to pinned host memory run on a side stream
 (``moe_utils.side_stream(device, "dispatch")``) after the routing only, so they overlap the work queued after
