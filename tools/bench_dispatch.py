@@ -16,8 +16,9 @@ routing, bf16 rows (or --dtype).
 
 Floor: the collectives one step of the dispatcher issues, recorded (shapes, dtypes, split sizes) and replayed alone
 on preallocated buffers, forward's and backward's separately: what NCCL needs to move those bytes, with no compute.
-``vs_floor`` is the dispatcher's time over it. Also a sweep of ``all_to_all_single`` at equal splits (--floor-mib)
-with the bus bandwidth.
+``vs_floor`` is the dispatcher's time over it; a layout that moves fewer bytes has a lower floor, so compare
+``alltoall``'s time with ``alltoall_expert_rows``' floor too (the bytes of one row per expert). Also a sweep of
+``all_to_all_single`` at equal splits (--floor-mib) with the bus bandwidth.
 
 Every timed iteration starts after a barrier; CUDA events per phase (the wall clock on CPU); each figure is the
 slowest rank's median over --iters after --warmup. Prints a table on rank 0 and writes the rows as JSON (--json).
