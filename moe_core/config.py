@@ -76,6 +76,9 @@ class TransformerConfig:
     """Width of the shared expert (sum over shared experts); None: no shared expert."""
     moe_shared_expert_gate: bool = False
     """Scale the shared expert's output by sigmoid(hidden @ w_gate) (Qwen2-MoE)."""
+    moe_shared_expert_overlap: bool = False
+    """Under EP on CUDA, run the shared expert on a side stream while the dispatcher communicates (needs a
+    shared expert)."""
     moe_layer_freq: int | list[int] = 1
     """int k: every k-th layer is MoE; list: 1 for MoE, 0 for dense, one entry per layer."""
     first_k_dense_replace: int = 0
@@ -174,6 +177,8 @@ class TransformerConfig:
         _positive_int(self, "moe_ffn_hidden_size")
         if self.moe_shared_expert_intermediate_size is not None:
             _positive_int(self, "moe_shared_expert_intermediate_size")
+        elif self.moe_shared_expert_overlap:
+            raise ValueError("moe_shared_expert_overlap requires moe_shared_expert_intermediate_size (a shared expert)")
         if isinstance(self.moe_layer_freq, list):
             if len(self.moe_layer_freq) != self.num_layers or set(self.moe_layer_freq) - {0, 1}:
                 raise ValueError(

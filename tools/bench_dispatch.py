@@ -1,12 +1,27 @@
-"""Time the EP token exchange of one MoE layer: dispatch + combine, forward and backward, per dispatcher.
+"""Time the EP token exchange of one MoE layer, dispatch + combine, forward and backward, per dispatcher, beside the
+NCCL floor of the same bytes.
 
-    torchrun --nproc-per-node 2 tools/bench_dispatch.py --tokens 8192 --hidden 4096 \\
-        --num-experts 64 --topk 8 --json out.json
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+    torchrun --standalone --nproc-per-node 2 tools/bench_dispatch.py --tokens 16384 --hidden 2048 \\
+        --num-experts 128 --topk 8 --json $OUT/dispatch.json          # Qwen3-30B-A3B's layer at EP=2
+    ... --expert scale                                               # the experts of the issue's baseline table
+    nsys profile -o $OUT/dispatch --trace cuda,nvtx,osrt torchrun ... --iters 5   # NVTX ranges per phase
 
-Experts are the identity (``y = x * prob``) so the time is the dispatcher's: permute, the count exchange
-and its host sync, the all-to-alls (or all-gather / reduce-scatter), chunk sorting and unpermute. Uniform
-random top-k routing. Timed with CUDA events after warm-up (wall clock on CPU); prints one row per
-(dispatcher, pass) with the median and min over iterations, on rank 0, and writes them as JSON (--json).
+Dispatchers: ``alltoall`` (its default layout: token rows, a token once per EP rank), ``alltoall_expert_rows``
+(the same dispatcher forced to one row per (token, expert), Megatron's layout, which it keeps for drop_and_pad),
+``allgather``. Experts: ``identity`` (default), the dispatched rows go straight to combine and the probs get a
+gradient of ones, so only the dispatcher is timed (its gathers, the count exchange and its host sync, the
+collectives); ``scale``, ``y = x * prob`` per row, one more pass over the rows each way. Uniform random top-k
+routing, bf16 rows (or --dtype).
+
+Floor: the collectives one step of the dispatcher issues, recorded (shapes, dtypes, split sizes) and replayed alone
+on preallocated buffers, forward's and backward's separately: what NCCL needs to move those bytes, with no compute.
+``vs_floor`` is the dispatcher's time over it; a layout that moves fewer bytes has a lower floor, so compare
+``alltoall``'s time with ``alltoall_expert_rows``' floor too (the bytes of one row per expert). Also a sweep of
+``all_to_all_single`` at equal splits (--floor-mib) with the bus bandwidth.
+
+Every timed iteration starts after a barrier; CUDA events per phase (the wall clock on CPU); each figure is the
+slowest rank's median over --iters after --warmup. Prints a table on rank 0 and writes the rows as JSON (--json).
 """
 
 from __future__ import annotations
@@ -16,7 +31,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,91 +38,161 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _bench_common import run_metadata  # noqa: E402
+from _bench_dist import all_to_all_sweep, lockstep_ms, rank_device, recording, replay, slowest_rank  # noqa: E402
+
 from moe_core.config import TransformerConfig  # noqa: E402
-from moe_core.moe.token_dispatcher_allgather import MoEAllGatherTokenDispatcher  # noqa: E402
-from moe_core.moe.token_dispatcher_alltoall import MoEAlltoAllTokenDispatcher  # noqa: E402
+from moe_core.moe.dispatcher_factory import EP_DISPATCHERS  # noqa: E402
 from moe_core.parallel.launch import init_distributed  # noqa: E402
+from moe_core.parallel.process_groups import ProcessGroupCollection  # noqa: E402
+
+EXPERTS = ("identity", "scale")
 
 
-class _Timer:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+class _ExpertRows(EP_DISPATCHERS["alltoall"]):
+    """The alltoall dispatcher with one row per (token, expert) whatever the config (an A/B of its layouts)."""
 
-    def now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def elapsed_ms(self, start, stop) -> float:
-        if self.cuda:
-            stop.synchronize()
-            return start.elapsed_time(stop)
-        return (stop - start) * 1e3
+    token_rows = False
 
 
-def _bench(dispatcher, hidden, probs, routing_map, iters: int, warmup: int, timer: _Timer) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"forward": [], "backward": []}
-    for i in range(warmup + iters):
-        x = hidden.detach().requires_grad_()
-        dist.barrier()
-        t0 = timer.now()
-        permuted, _, permuted_probs, meta = dispatcher.dispatch(x, probs, routing_map)
-        out = dispatcher.combine(permuted * permuted_probs.unsqueeze(-1).to(permuted.dtype), meta)
-        t1 = timer.now()
-        out.backward(torch.ones_like(out))
-        t2 = timer.now()
-        if i >= warmup:
-            times["forward"].append(timer.elapsed_ms(t0, t1))
-            times["backward"].append(timer.elapsed_ms(t1, t2))
-    return times
+DISPATCHERS = {**EP_DISPATCHERS, "alltoall_expert_rows": _ExpertRows}
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dispatchers", nargs="+", choices=sorted(DISPATCHERS), default=sorted(DISPATCHERS))
+    parser.add_argument("--expert", choices=EXPERTS, default="identity",
+                        help="what stands between dispatch and combine")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--json", default=None, help="write the rows here")
-    args = parser.parse_args(argv)
+    parser.add_argument("--floor-mib", type=int, nargs="*", default=[16, 64, 256, 512],
+                        help="all_to_all_single sweep, MiB out per rank (none: skip)")
+    parser.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    return parser.parse_args(argv)
 
-    pg = init_distributed(int(os.environ.get("WORLD_SIZE", "1")), num_moe_experts=args.num_experts)
-    if pg is None:
-        raise SystemExit("run under torchrun with --nproc-per-node >= 2")
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
-                               num_moe_experts=args.num_experts, moe_router_topk=args.topk,
-                               expert_model_parallel_size=pg.ep_size)
-    g = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
+
+def routing(args, device: torch.device, rank: int):
+    """``(hidden [T, H], probs [T, E] float32, routing_map [T, E] bool)``: uniform random top-k, seeded by rank."""
+    g = torch.Generator(device="cpu").manual_seed(1 + rank)
     hidden = torch.randn(args.tokens, args.hidden, generator=g).to(device, getattr(torch, args.dtype))
     scores = torch.rand(args.tokens, args.num_experts, generator=g).to(device)
     top = scores.topk(args.topk, dim=-1)
     routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top.indices, True)
     probs = torch.zeros_like(scores).scatter(1, top.indices, torch.softmax(top.values, -1))
+    return hidden, probs, routing_map
+
+
+def step_phases(dispatcher, hidden, probs, routing_map, expert: str):
+    """A generator running one forward (dispatch, expert, combine) then one backward, yielding each phase's name."""
+    nvtx = torch.cuda.nvtx if hidden.is_cuda else None
+    x = hidden.detach().requires_grad_()
+    p = probs.detach().requires_grad_()
+    _push(nvtx, "forward")
+    rows, _, row_probs, meta = dispatcher.dispatch(x, p, routing_map)
+    out = dispatcher.combine(rows * row_probs.unsqueeze(-1).to(rows.dtype) if expert == "scale" else rows, meta)
+    _pop(nvtx)
+    yield "forward"
+    _push(nvtx, "backward")
+    if expert == "scale":
+        out.backward(torch.ones_like(out))
+    else:
+        torch.autograd.backward([out, row_probs], [torch.ones_like(out), torch.ones_like(row_probs)])
+    _pop(nvtx)
+    yield "backward"
+
+
+def _push(nvtx, name: str) -> None:
+    if nvtx is not None:
+        nvtx.range_push(name)
+
+
+def _pop(nvtx) -> None:
+    if nvtx is not None:
+        nvtx.range_pop()
+
+
+def bench_dispatcher(name: str, args, pg: ProcessGroupCollection, device: torch.device) -> list[dict]:
+    """Rows for one dispatcher: its forward and backward beside the replay of their collectives."""
+    config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
+                               num_moe_experts=args.num_experts, moe_router_topk=args.topk,
+                               expert_model_parallel_size=pg.ep_size)
     local = pg.local_expert_indices(args.num_experts)
-    timer = _Timer(device)
+    dispatcher = DISPATCHERS[name](len(local), local, config, pg)
+    hidden, probs, routing_map = routing(args, device, dist.get_rank())
+
+    def phases():
+        return step_phases(dispatcher, hidden, probs, routing_map, args.expert)
+
+    calls: dict[str, list] = {"forward": [], "backward": []}
+    gen = phases()
+    for phase in ("forward", "backward"):
+        with recording(calls[phase]):
+            next(gen)
+    times = lockstep_ms(phases, args.iters, args.warmup, device)
+    floors = {}
+    for phase, recorded in calls.items():
+        run = replay(recorded, device)
+
+        def floor_phases(run=run, phase=phase):
+            run()
+            yield phase
+
+        floors[phase] = lockstep_ms(floor_phases, args.iters, args.warmup, device)[phase]
     rows = []
-    for name, cls in (("alltoall", MoEAlltoAllTokenDispatcher), ("allgather", MoEAllGatherTokenDispatcher)):
-        times = _bench(cls(len(local), local, config, pg), hidden, probs, routing_map, args.iters, args.warmup, timer)
-        rows += [(name, p, statistics.median(t), min(t)) for p, t in times.items()]
-    if dist.get_rank() == 0:
-        gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        print(f"# EP={pg.ep_size} tokens/rank={args.tokens} hidden={args.hidden} experts={args.num_experts} "
-              f"topk={args.topk} {args.dtype} {dist.get_backend()} {gpu}")
-        print(f"{'dispatcher':<10} {'pass':<9} {'median ms':>10} {'min ms':>8}")
-        for name, p, med, low in rows:
-            print(f"{name:<10} {p:<9} {med:>10.3f} {low:>8.3f}")
-        if args.json:
-            meta = dict(ep=pg.ep_size, backend=dist.get_backend(), device=gpu, **vars(args))
-            Path(args.json).write_text(json.dumps(
-                [dict(meta, dispatcher=name, median_ms=med, min_ms=low, **{"pass": p}) for name, p, med, low in rows],
-                indent=1))
-    dist.destroy_process_group()
+    for phase in ("forward", "backward"):
+        med, low, floor = slowest_rank(
+            [statistics.median(times[phase]), min(times[phase]), statistics.median(floors[phase])], device)
+        rows.append(dict(dispatcher=name, expert=args.expert, median_ms=med, min_ms=low, floor_ms=floor,
+                         vs_floor=med / floor if floor else None, collectives=[c.name for c in calls[phase]],
+                         bytes_out=sum(c.bytes_in for c in calls[phase]), **{"pass": phase}))
+    return rows
+
+
+def run(args, pg: ProcessGroupCollection) -> list[dict]:
+    """Every row of the benchmark (collective: every rank calls it)."""
+    device = rank_device()
+    rows = [row for name in args.dispatchers for row in bench_dispatcher(name, args, pg, device)]
+    sweep = all_to_all_sweep(args.floor_mib, args.iters, args.warmup, pg.ep_size, device)
+    return rows + [dict(dispatcher="all_to_all_single", **r) for r in sweep]
+
+
+def print_table(rows: list[dict], args, pg: ProcessGroupCollection, device: torch.device) -> None:
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# EP={pg.ep_size} tokens/rank={args.tokens} hidden={args.hidden} experts={args.num_experts} "
+          f"topk={args.topk} {args.dtype} expert={args.expert} {dist.get_backend()} {gpu}")
+    print(f"{'dispatcher':<20} {'pass':<9} {'median ms':>10} {'min ms':>8} {'floor ms':>9} {'vs floor':>9} "
+          f"{'MiB moved':>9}")
+    for r in rows:
+        if "pass" in r:
+            print(f"{r['dispatcher']:<20} {r['pass']:<9} {r['median_ms']:>10.3f} {r['min_ms']:>8.3f} "
+                  f"{r['floor_ms']:>9.3f} {r['vs_floor'] or 0:>9.2f} {r['bytes_out'] / 2**20:>9.1f}")
+    sweep = [r for r in rows if "pass" not in r]
+    if sweep:
+        print(f"{'all_to_all_single MiB out per rank':<36} {'median ms':>10} {'busbw GB/s':>11}")
+        for r in sweep:
+            print(f"{r['mib_out_per_rank']:<36} {r['median_ms']:>10.3f} {r['busbw_gbs']:>11.1f}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    pg = init_distributed(int(os.environ.get("WORLD_SIZE", "1")), num_moe_experts=args.num_experts)
+    if pg is None:
+        raise SystemExit("run under torchrun with --nproc-per-node >= 2")
+    try:
+        rows = run(args, pg)
+        if dist.get_rank() == 0:
+            device = rank_device()
+            print_table(rows, args, pg, device)
+            if args.json:
+                meta = dict(run_metadata(device), ep=pg.ep_size, backend=dist.get_backend(), **vars(args))
+                Path(args.json).write_text(json.dumps([dict(meta, **r) for r in rows], indent=1))
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     python3 tools/bench_pretrain.py --json pretrain.json                     # configs/gpu_a.yaml, gpu_b.yaml
     python3 tools/bench_pretrain.py --configs configs/gpu_a.yaml --profile   # + CUDA time by kernel category
     python3 tools/bench_pretrain.py --smoke --json smoke.json                # a tiny model, a few steps (the CI test)
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+    torchrun --standalone --nproc-per-node 2 tools/bench_pretrain.py --json $OUT/pretrain_ep2.json   # EP = 2 vs 1 GPU
 
 Providers: ``moe_core``, ``setup_training`` + ``train_step`` of moe_core.training.step with the YAML's
 ``training:`` section and ``compile`` off; ``moe_core_compiled``, the same with ``compile: true`` (each layer
@@ -20,6 +22,14 @@ times tokens/s over the bf16 peak in moe_core.training.trainer's ``PEAK_BF16_TFL
 convention of the TRL Qwen3-MoE report (Llama 2/3's). ``--profile``: torch.profiler over 3 steps of each
 provider, CUDA time by category (attention, GEMM, optimizer incl. gradient clipping, rest; name patterns in
 tools/_bench_common.py) and the top 10 kernels.
+
+Under torchrun (``WORLD_SIZE`` > 1; NCCL on GPUs, gloo on CPU): expert parallelism over all ranks. Providers
+``moe_core`` and ``moe_core_compiled`` only (the native trainer has no EP). Each runs twice per config: with
+``ep`` = the world size (``setup_training`` with the process groups: DDP, every rank a data-parallel rank with its
+own ``micro_batch_size`` sequences, the experts split), then with ``ep`` = 1, the same config on every rank's own
+GPU at once, no communication (the one-GPU baseline). ``tokens_per_s`` is per GPU (a rank's tokens per step over
+the slowest rank's median step); ``vs_one_gpu`` is the EP row's over the baseline's; peak memory is the largest
+rank's; losses are rank 0's (the EP step's loss is the global batch's).
 """
 
 from __future__ import annotations
@@ -27,10 +37,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -44,16 +56,17 @@ from _bench_common import (  # noqa: E402
     fmt,
     free_memory,
     kernel_times,
+    ratio,
     run_metadata,
     single_thread,
     timed,
 )
-from _bench_common import (
-    print_table as print_rows,
-)
+from _bench_common import print_table as print_rows  # noqa: E402
+from _bench_dist import slowest_rank  # noqa: E402
 
 from moe_core import TransformerConfig  # noqa: E402
 from moe_core.models.gpt import GPTModel  # noqa: E402
+from moe_core.parallel.launch import init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.step import build_model, setup_training, train_step, training_device  # noqa: E402
 from moe_core.training.trainer import mfu  # noqa: E402
@@ -61,6 +74,7 @@ from moe_core.training.trainer import mfu  # noqa: E402
 CONFIGS = [str(Path(__file__).resolve().parents[1] / "configs" / name) for name in ("gpu_a.yaml", "gpu_b.yaml")]
 PROVIDERS = ("moe_core", "moe_core_compiled", "native", "native_compiled")
 SMOKE_PROVIDERS = ("moe_core", "native")  # compiling with inductor on CPU takes minutes
+EP_PROVIDERS = ("moe_core", "moe_core_compiled")
 # Attention first: cuDNN's flash kernels carry "wgmma" in their names, xformers' fmha ones "cutlass".
 CATEGORIES = {"attention": ATTENTION, "gemm": GEMM, "optimizer": OPTIMIZER}
 
@@ -83,11 +97,14 @@ def flop_counts(model_config: TransformerConfig) -> dict:
                 flops_per_token=palm, flops_per_token_causal=causal)
 
 
-def build_step(provider: str, model_config: TransformerConfig, training: TrainingConfig, inputs, labels):
-    """``(step, device)``: ``step()`` runs one training step and returns its loss (a 0-dim tensor)."""
+def build_step(provider: str, model_config: TransformerConfig, training: TrainingConfig, inputs, labels, pg=None):
+    """``(step, device)``: ``step()`` runs one training step and returns its loss (a 0-dim tensor). ``pg``: EP over
+    its groups (moe_core providers only)."""
     compiled = provider.endswith("_compiled")
     if provider.startswith("moe_core"):
-        state = setup_training(model_config, dataclasses.replace(training, compile=compiled))
+        if pg is not None:
+            model_config = dataclasses.replace(model_config, expert_model_parallel_size=pg.ep_size)
+        state = setup_training(model_config, dataclasses.replace(training, compile=compiled), pg)
         return (lambda: train_step(state, inputs, labels)[0]), state.device
     device = training_device(None)
     gpt = build_model(model_config, training, device)
@@ -104,29 +121,37 @@ def build_step(provider: str, model_config: TransformerConfig, training: Trainin
 
 
 def bench_provider(provider: str, model_config: TransformerConfig, training: TrainingConfig, counts: dict,
-                   args) -> dict:
-    gen = torch.Generator().manual_seed(training.seed)
-    shape = (training.micro_batch_size * training.num_micro_batches(dp_size=1), model_config.seq_length)
+                   args, pg=None) -> dict:
+    """One provider's row; with ``pg`` under EP (collective: every rank calls it), else alone on this device."""
+    rank = 0 if pg is None else dist.get_rank()
+    gen = torch.Generator().manual_seed(training.seed + rank)
+    shape = (training.micro_batch_size * training.num_micro_batches(dp_size=1 if pg is None else pg.dp_size),
+             model_config.seq_length)
     inputs = torch.randint(0, model_config.vocab_size, shape, generator=gen)
     labels = torch.randint(0, model_config.vocab_size, shape, generator=gen)
-    device = training_device(None)
+    device = training_device(pg)
     before = 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    step, device = build_step(provider, model_config, training, inputs.to(device), labels.to(device))
+    step, device = build_step(provider, model_config, training, inputs.to(device), labels.to(device), pg)
     first_loss = step().item()
     row = timed(step, args.steps, max(args.warmup - 1, 0), device)
     last_loss = step().item()
+    peak_gib = (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None
+    if dist.is_initialized():  # the slowest rank's step, the largest rank's memory
+        row["median_ms"], peak = slowest_rank([row["median_ms"], peak_gib or 0.0], device)
+        peak_gib = peak if device.type == "cuda" else None
     tokens_per_s = inputs.numel() / (row["median_ms"] / 1e3)
     row.update(first_loss=first_loss, last_loss=last_loss, tokens_per_step=inputs.numel(), tokens_per_s=tokens_per_s,
                mfu=mfu(counts["flops_per_token"], tokens_per_s, device),
-               mfu_causal=mfu(counts["flops_per_token_causal"], tokens_per_s, device),
-               peak_gib=(torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None)
+               mfu_causal=mfu(counts["flops_per_token_causal"], tokens_per_s, device), peak_gib=peak_gib,
+               ep=1 if pg is None else pg.ep_size)
     if args.profile:
         split = breakdown(kernel_times(step, 3, device), CATEGORIES)
         row["profile"] = dict(ms_per_step=split["ms"], total_ms=split["total_ms"], top=split["ranked"][:10])
-        print_profile(provider, split, "CUDA" if device.type == "cuda" else "CPU op self")
+        if rank == 0:
+            print_profile(provider, split, "CUDA" if device.type == "cuda" else "CPU op self")
     return row
 
 
@@ -143,55 +168,83 @@ def print_table(rows: list[dict]) -> None:
         return None if fraction is None else 100 * fraction
 
     print_rows(rows, [("config", 10), ("provider", 18)], [
+        ("EP", 3, lambda r: str(r.get("ep", 1))),
         ("step ms", 9, lambda r: f"{r['median_ms']:.2f}"), ("spread", 7, lambda r: f"{100 * r['spread']:.1f}%"),
         ("tokens/s", 10, lambda r: f"{r['tokens_per_s']:.0f}"), ("MFU %", 7, lambda r: fmt(pct(r["mfu"]), ".1f")),
         ("causal %", 8, lambda r: fmt(pct(r["mfu_causal"]), ".1f")),
         ("peak GiB", 8, lambda r: fmt(r["peak_gib"], ".2f")),
         ("loss first", 10, lambda r: f"{r['first_loss']:.3f}"), ("last", 7, lambda r: f"{r['last_loss']:.3f}"),
+        ("vs 1 GPU", 8, lambda r: fmt(r.get("vs_one_gpu"), ".2f")),
     ])
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=CONFIGS, help="YAMLs with model: and training: sections")
-    parser.add_argument("--providers", nargs="+", choices=PROVIDERS, help="default: all (--smoke: the eager ones)")
+    parser.add_argument("--providers", nargs="+", choices=PROVIDERS,
+                        help="default: all; --smoke: the eager ones; under torchrun: the moe_core ones")
     parser.add_argument("--steps", type=int, help="timed steps (default 10; --smoke 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3; --smoke 1)")
     parser.add_argument("--profile", action="store_true", help="CUDA time by category over 3 steps per provider")
     parser.add_argument("--smoke", action="store_true", help="a tiny built-in model instead of --configs")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    args.providers = args.providers or list(SMOKE_PROVIDERS if args.smoke else PROVIDERS)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.providers is None and distributed:
+        args.providers = ["moe_core"] if args.smoke else list(EP_PROVIDERS)
+    elif args.providers is None:
+        args.providers = list(SMOKE_PROVIDERS if args.smoke else PROVIDERS)
+    if distributed and set(args.providers) - set(EP_PROVIDERS):
+        parser.error(f"--providers: under torchrun only {EP_PROVIDERS} (the native trainer has no EP)")
     args.steps = args.steps or (2 if args.smoke else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
     return args
+
+
+def run(args, pg=None) -> list[dict]:
+    """Every row; with ``pg`` (EP over all ranks, collective) each provider under EP, then alone on every rank."""
+    runs = {"smoke": smoke_configs()} if args.smoke else {
+        Path(path).stem: (TransformerConfig.from_yaml(path), TrainingConfig.from_yaml(path)) for path in args.configs}
+    layouts = [None] if pg is None else [pg, None]
+    rows = []
+    with single_thread(args.smoke):
+        for name, (model_config, training) in runs.items():
+            counts = flop_counts(model_config)
+            for provider in args.providers:
+                for layout in layouts:
+                    row = dict(config=name, provider=provider, **counts)
+                    try:
+                        row.update(bench_provider(provider, model_config, training, counts, args, layout))
+                    except Exception as err:  # noqa: BLE001  (compile failure, OOM: recorded, the others go on)
+                        row["error"] = error_message(err)
+                        print(f"  {name} {provider}: {row['error']}", file=sys.stderr, flush=True)
+                    rows.append(row)
+                    torch._dynamo.reset()
+                    free_memory()
+                if pg is not None:
+                    ep_row, one_gpu = rows[-2:]
+                    ep_row["vs_one_gpu"] = ratio(ep_row.get("tokens_per_s"), one_gpu.get("tokens_per_s"))
+            if pg is None or dist.get_rank() == 0:
+                print(f"done {name}", file=sys.stderr, flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("bench_pretrain: needs a CUDA device (or --smoke)")
-    runs = {"smoke": smoke_configs()} if args.smoke else {
-        Path(path).stem: (TransformerConfig.from_yaml(path), TrainingConfig.from_yaml(path)) for path in args.configs}
-    rows = []
-    with single_thread(args.smoke):
-        for name, (model_config, training) in runs.items():
-            counts = flop_counts(model_config)
-            for provider in args.providers:
-                row = dict(config=name, provider=provider, **counts)
-                try:
-                    row.update(bench_provider(provider, model_config, training, counts, args))
-                except Exception as err:  # noqa: BLE001  (compile failure, OOM: recorded, the others go on)
-                    row["error"] = error_message(err)
-                    print(f"  {name} {provider}: {row['error']}", file=sys.stderr, flush=True)
-                rows.append(row)
-                torch._dynamo.reset()
-                free_memory()
-            print(f"done {name}", file=sys.stderr, flush=True)
-    print_table(rows)
-    if args.json:
-        device = training_device(None)
-        Path(args.json).write_text(json.dumps(dict(run_metadata(device), args=vars(args), rows=rows), indent=1))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pg = init_distributed(world) if world > 1 else None
+    try:
+        rows = run(args, pg)
+        if pg is None or dist.get_rank() == 0:
+            print_table(rows)
+            if args.json:
+                meta = dict(run_metadata(training_device(pg)), world_size=world, args=vars(args))
+                Path(args.json).write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    finally:
+        if pg is not None:
+            dist.destroy_process_group()
     return rows
 
 

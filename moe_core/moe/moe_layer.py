@@ -61,12 +61,14 @@ class MoELayer(nn.Module):
         hidden_TH = hidden.reshape(-1, hidden.shape[-1])
         # The router takes [B, S, H] as is: its sequence aux loss needs the sequence boundaries.
         probs, routing_map = self.router(hidden if hidden.dim() == 3 else hidden_TH)
+        # Started before dispatch: with moe_shared_expert_overlap it runs while the all-to-alls are in flight.
+        shared_output = None if self.shared_experts is None else self.shared_experts.start(hidden_TH)
         permuted, tokens_per_expert, permuted_probs, meta = self.token_dispatcher.dispatch(
             hidden_TH, probs, routing_map)
         expert_output, _ = self.experts(permuted, tokens_per_expert, permuted_probs)
         output = self.token_dispatcher.combine(expert_output, meta)
-        if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_TH)
+        if shared_output is not None:
+            output = output + shared_output()
         return output.view(hidden.shape)
 
 __all__ = ["MoELayer"]

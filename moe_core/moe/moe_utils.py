@@ -12,10 +12,12 @@ the permuted rows move in the autocast dtype: the cast is fused into the gather.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from moe_core.ops.pack import pack_rows
 from moe_core.ops.permute import permute_rows, unpermute_rows
 
 
@@ -79,8 +81,8 @@ def build_row_map(routing_map: torch.Tensor, num_slots: int, num_out_tokens: int
 
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
-            num_out_tokens: int | None = None, drop_and_pad: bool = False, num_slots: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None, RowMap]:
+            num_out_tokens: int | None = None, drop_and_pad: bool = False, num_slots: int | None = None,
+            pack_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, RowMap]:
     """Gather token rows into expert-major order (Megatron's ``permute`` with a routing map).
 
     Rows of expert 0 come first, then expert 1, ...; inside an expert, rows are in token order.
@@ -97,19 +99,24 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
             rows whose prob is 0, C rows in all. The router must already have dropped tokens beyond C
             (``apply_token_dropping``); extra ones would be cut here silently.
         num_slots: K, at least the most experts any token has; None: E (always enough).
+        pack_probs: write the float32 probs into the rows' tails (``moe_core.ops.pack.pack_rows`` with one value,
+            ``[R, W]``) in the same pass, instead of returning them apart; needs ``probs``.
     Returns:
-        ``(permuted [R, H], permuted_probs [R] or None, row_map)``; ``permuted`` is in tokens' dtype, or the
-        autocast dtype inside ``torch.autocast``. Host sync: only without ``drop_and_pad`` and without
-        ``num_out_tokens`` (R is data-dependent; ``nonzero`` must size its output).
+        ``(permuted [R, H], permuted_probs [R] in probs' dtype or None, row_map)``, or with ``pack_probs``
+        ``(packed [R, W], None, row_map)``; the rows are in tokens' dtype, or the autocast dtype inside
+        ``torch.autocast``. Host sync: only without ``drop_and_pad`` and without ``num_out_tokens`` (R is
+        data-dependent; ``nonzero`` must size its output).
     Raises:
-        ValueError / TypeError: shapes, dtypes, ``num_slots`` or ``num_out_tokens`` do not fit.
+        ValueError / TypeError: shapes, dtypes, ``num_slots`` or ``num_out_tokens`` do not fit, or
+            ``pack_probs`` without ``probs``.
     """
     _check_routing(tokens, routing_map, probs)
+    if pack_probs and probs is None:
+        raise ValueError("probs: pack_probs=True needs probs, got None")
     num_tokens, num_experts = routing_map.shape
     num_slots = num_experts if num_slots is None else num_slots
-    checkable = not routing_map.is_cuda and not torch.compiler.is_compiling()
-    if checkable and num_tokens and int(routing_map.sum(dim=1).max()) > num_slots:
-        raise ValueError(f"num_slots: a token has {int(routing_map.sum(dim=1).max())} experts, more than {num_slots}")
+    check_num_slots(routing_map, num_slots)
+    checkable = _checkable(routing_map)
     capacity = None
     if drop_and_pad:
         if num_out_tokens is None or num_out_tokens < 0 or num_out_tokens % num_experts:
@@ -121,10 +128,14 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
     elif num_out_tokens is not None and checkable and int(routing_map.sum()) != num_out_tokens:
         raise ValueError(f"num_out_tokens: expected routing_map.sum() = {int(routing_map.sum())}, got {num_out_tokens}")
     row_map, expert_of_row = build_row_map(routing_map, num_slots, num_out_tokens, capacity)
-    permuted = permute_rows(tokens, row_map.token_of_row, row_map.row_of_slot, _compute_dtype(tokens))
     permuted_probs = None
     if probs is not None:
         permuted_probs = probs[row_map.token_of_row.clamp_min(0), expert_of_row] * (row_map.token_of_row >= 0)
+    if pack_probs:
+        packed = pack_rows(tokens, permuted_probs.float().unsqueeze(1), row_map.token_of_row.unsqueeze(1),
+                           row_map.row_of_slot, compute_dtype(tokens))
+        return packed, None, row_map
+    permuted = permute_rows(tokens, row_map.token_of_row, row_map.row_of_slot, compute_dtype(tokens))
     return permuted, permuted_probs, row_map
 
 
@@ -150,7 +161,25 @@ def unpermute(permuted: torch.Tensor, row_map: RowMap) -> torch.Tensor:
     return unpermute_rows(permuted, row_map.token_of_row, row_map.row_of_slot)
 
 
-def _compute_dtype(tokens: torch.Tensor) -> torch.dtype:
+@functools.cache
+def side_stream(device: torch.device, purpose: str) -> torch.cuda.Stream:
+    """A side CUDA stream of ``device`` for the MoE layer's overlapped work, one per ``purpose`` (``"dispatch"``:
+    the dispatcher's index kernels; ``"shared_expert"``), so that the short work never queues behind the long."""
+    return torch.cuda.Stream(device)
+
+
+def check_num_slots(routing_map: torch.Tensor, num_slots: int) -> None:
+    """Raise ``ValueError`` when a token of ``routing_map`` [T, E] has more than ``num_slots`` experts. Checked on
+    the CPU outside compilation only, where it costs no host sync."""
+    if _checkable(routing_map) and routing_map.shape[0] and int(routing_map.sum(dim=1).max()) > num_slots:
+        raise ValueError(f"num_slots: a token has {int(routing_map.sum(dim=1).max())} experts, more than {num_slots}")
+
+
+def _checkable(routing_map: torch.Tensor) -> bool:
+    return not routing_map.is_cuda and not torch.compiler.is_compiling()
+
+
+def compute_dtype(tokens: torch.Tensor) -> torch.dtype:
     """The autocast dtype for float32/16-bit tokens inside ``torch.autocast``, else tokens' own dtype."""
     device_type = tokens.device.type
     if tokens.dtype != torch.float64 and torch.is_autocast_enabled(device_type):
@@ -169,4 +198,4 @@ def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch
         raise ValueError(f"probs: expected {tuple(routing_map.shape)} like routing_map, got {tuple(probs.shape)}")
 
 
-__all__ = ["RowMap", "build_row_map", "permute", "unpermute"]
+__all__ = ["RowMap", "build_row_map", "permute", "unpermute", "side_stream", "check_num_slots", "compute_dtype"]

@@ -1,19 +1,53 @@
 """All-to-all token dispatcher for expert parallelism (Megatron-LM's ``MoEAlltoAllTokenDispatcher``).
 
-Legend (docs/design.md): T this rank's tokens, H hidden, E experts, L = E / ep local experts, K topk,
-R_s rows this rank sends (T * K before dropping), R rows this rank's experts receive, C capacity.
+Legend (docs/design.md): T this rank's tokens, H hidden, E experts, L = E / ep local experts, K topk, N_s rows
+this rank sends, N rows it receives, R rows its experts receive, C capacity, W the packed width
+(``moe_core.ops.pack``: a row's H values plus a tail of float32 values).
 
-dispatch:  permute [T, H] -> [R_s, H] grouped by global expert (so by destination EP rank)
-           exchange the per-expert counts (all-to-all of E ints)
-           all_to_all with split sizes                       -> [R, H] grouped by (source rank, local expert)
-           sort chunks by local expert                       -> [R, H] grouped by (local expert, source rank)
-combine:   the mirror image: unsort -> reverse all_to_all -> unpermute (gather-sum) -> [T, H]
+Both layouts below hand the experts the same rows in the same order: grouped by local expert, then source rank,
+then token index (the all-gather dispatcher's order too).
 
-Every rank issues the same collectives in the same order whatever the routing: one count exchange, one
-all-to-all for the hidden rows and one for the probs in dispatch, one all-to-all in combine, and the
-mirrors in backward, including a rank that sends or receives zero rows. With ``drop_and_pad`` the split sizes
-are static and there is no host sync at all; otherwise the single host sync of the step (Megatron's
-``preprocess``) is ``_split_sizes_to_host``.
+Token rows (the default; L > 1 without drop_and_pad): a token travels once to each EP rank holding any of its
+experts, however many it holds there (top-8 of 128 experts over 2 ranks: at most 2 rows per token where one row
+per expert sends 8), and the receiver expands it.
+
+dispatch:  exchange the counts (per peer: rows for each of its L experts and the tokens it gets), copy them to the
+           host and wait                                   (the host sync)
+           pack [T, H] -> [N_s, W] rank-major, token order; each row's tail holds its token's experts on that rank
+           and their probs                                 (one gather)
+           all_to_all                                       -> [N, W] source-major
+           gather by local expert out of the packed rows    -> [R, H], probs [R]   (one gather)
+combine:   sum each received token's expert rows           -> [N, H]             (gather-sum)
+           reverse all_to_all                               -> [N_s, H]
+           sum each token's rows from its ranks             -> [T, H]             (gather-sum)
+
+Expert rows (drop_and_pad, whose static shapes need a row per (token, expert) and capacity slot; and L = 1, where
+both layouts coincide): Megatron's layout.
+
+dispatch:  exchange the per-expert counts unless drop_and_pad (static), copy to the host and wait
+           permute [T, H] -> [R_s, W] rank-major then local-expert-major (global expert order), probs in the tails
+           all_to_all                                       -> [R, W] grouped by (source rank, local expert)
+           one gather by a device-computed index sorts by local expert and unpacks -> [R, H], probs [R]
+combine:   one gather back to (source rank, local expert) order -> reverse all_to_all -> unpermute (gather-sum)
+With L = 1 rows arrive sorted: rows and probs travel unpacked in two all-to-alls and nothing is sorted.
+
+Every rank issues the same collectives in the same order whatever the routing, a rank sending or receiving
+nothing included: the count exchange (not with drop_and_pad), the rows' all-to-all (plus the probs' with L = 1),
+combine's all-to-all, and their mirrors in backward.
+
+Host syncs: none with drop_and_pad (static split sizes); otherwise one per dispatch (Megatron's ``preprocess``
+has the same): ``all_to_all_single`` takes its split sizes as host ints, so the exchanged counts must reach the
+host (``_CountsCopy.wait``), which also sizes the row maps without more syncs. (With L = 1, a capacity factor and
+no padding, ``permute`` adds its own to size the data-dependent rows.) Backward needs no host data beyond the same
+splits.
+
+Streams (CUDA): the count exchange and its copy to pinned host memory run on a side stream
+(``moe_utils.side_stream(device, "dispatch")``) after the routing only, so they overlap the work queued after
+them (the experts' ids and probs per token; the sort indices of the expert-row layout, computed there while the
+rows' all-to-all is in flight). The current stream waits for what it uses (events). Off CUDA all runs in order.
+
+Precision: the token-row combine rounds each rank's partial sum to the rows' dtype before the return trip (the
+all-gather dispatcher's reduce-scatter does the same); the expert-row combine sums all K rows at once in float32.
 """
 
 from __future__ import annotations
@@ -22,11 +56,20 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.config import TransformerConfig
-from moe_core.moe.moe_utils import RowMap, permute, unpermute
+from moe_core.moe.alltoall_layout import chunk_transpose_index, row_values, token_experts, token_rows
+from moe_core.moe.moe_utils import (
+    RowMap,
+    build_row_map,
+    check_num_slots,
+    compute_dtype,
+    permute,
+    side_stream,
+    unpermute,
+)
 from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
+from moe_core.ops.pack import pack_rows, packed_values, unpack_rows
+from moe_core.ops.permute import permute_rows, unpermute_rows
 from moe_core.parallel.collectives import all_to_all
-from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
 @dataclass(frozen=True)
@@ -34,26 +77,21 @@ class AlltoAllDispatchMeta:
     """What ``combine`` needs to undo ``dispatch``.
 
     Attributes:
-        row_map: the ``moe_utils.RowMap`` of this rank's tokens and the rows it sends (from ``permute``).
+        row_map: the ``moe_utils.RowMap`` of this rank's tokens and the rows it sends.
         input_splits / output_splits: rows sent to / received from each EP rank (host ints).
-        chunk_sizes: rows received per (source rank, local expert), source-major; ``None`` with drop_and_pad.
-        capacity: per-expert capacity with drop_and_pad, else ``None``.
+        received_map: token rows: the ``RowMap`` of the received rows (as tokens) and the experts' rows; None for
+            expert rows.
+        unsort_index: expert rows with L > 1: ``[R]`` int64, the expert-major row each (source rank, local
+            expert)-major row came from (combine's gather); else None.
+        sort_index: ``[R]`` int64, its inverse permutation (the unsort's backward); None likewise.
     """
 
     row_map: RowMap
     input_splits: tuple[int, ...]
     output_splits: tuple[int, ...]
-    chunk_sizes: tuple[int, ...] | None
-    capacity: int | None
-
-
-def sort_chunks_by_idxs(x: torch.Tensor, chunk_sizes: list[int], order: list[int]) -> torch.Tensor:
-    """Split ``x`` [R, ...] into chunks of ``chunk_sizes`` rows and concatenate them in ``order``.
-
-    Megatron's ``sort_chunks_by_idxs``; differentiable (split + cat).
-    """
-    chunks = torch.split(x, chunk_sizes, dim=0)
-    return torch.cat([chunks[i] for i in order], dim=0)
+    received_map: RowMap | None = None
+    unsort_index: torch.Tensor | None = None
+    sort_index: torch.Tensor | None = None
 
 
 class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
@@ -61,14 +99,6 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
 
     Arguments and errors: see ``ExpertParallelTokenDispatcher``.
     """
-
-    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: TransformerConfig,
-                 pg_collection: ProcessGroupCollection | None = None):
-        super().__init__(num_local_experts, local_expert_indices, config, pg_collection)
-        # Received chunks are source-major; experts want them expert-major.
-        ep, num_local = self.ep_size, num_local_experts
-        self._sort_order = [s * num_local + e for e in range(num_local) for s in range(ep)]
-        self._unsort_order = [e * ep + s for s in range(ep) for e in range(num_local)]
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         """Route ``hidden`` [T, H] to the experts' ranks.
@@ -82,77 +112,193 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
             ValueError: shapes disagree.
         """
         check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
-        num_tokens = hidden.shape[0]
-        capacity = self.capacity(num_tokens)
-        num_out_tokens = self.num_out_tokens(num_tokens)
-        sent, sent_probs, row_map = permute(  # [R_s, H], [R_s], RowMap
-            hidden, routing_map, probs=probs, num_out_tokens=num_out_tokens, drop_and_pad=self.drop_and_pad,
-            num_slots=None if self.drop_and_pad else self.topk,
-        )
-        if self.drop_and_pad:
-            return self._dispatch_padded(sent, sent_probs, row_map, capacity)
-
-        sent_per_expert_E = routing_map.sum(dim=0).to(torch.int64)  # rows this rank sends to each expert
         if self.ep_size == 1:
-            meta = AlltoAllDispatchMeta(row_map, (), (), None, None)
-            return sent, sent_per_expert_E, sent_probs.float(), meta
+            sent, sent_probs, row_map = permute(hidden, routing_map, **self._permute_kwargs(hidden.shape[0], probs))
+            capacity = self.capacity(hidden.shape[0])
+            counts_L = routing_map.sum(dim=0) if capacity is None else torch.full(
+                (self.num_local_experts,), capacity, dtype=torch.int64, device=hidden.device)
+            return sent, counts_L, sent_probs.float(), AlltoAllDispatchMeta(row_map, (), ())
+        if self.token_rows:
+            return self._dispatch_token_rows(hidden, probs, routing_map)
+        return self._dispatch_expert_rows(hidden, probs, routing_map)
 
-        # received_per_chunk[s * L + e]: rows source rank s sends to local expert e.
-        received_per_chunk = all_to_all(sent_per_expert_E, [self.num_local_experts] * self.ep_size,
-                                        [self.num_local_experts] * self.ep_size, self.ep_group)
-        tokens_per_expert_L = received_per_chunk.view(self.ep_size, self.num_local_experts).sum(dim=0)
-        input_splits, chunk_sizes = _split_sizes_to_host(
-            sent_per_expert_E.view(self.ep_size, self.num_local_experts).sum(dim=1), received_per_chunk
-        )
-        output_splits = [sum(chunk_sizes[s * self.num_local_experts:(s + 1) * self.num_local_experts])
-                         for s in range(self.ep_size)]
-        received_RH = all_to_all(sent, output_splits, input_splits, self.ep_group)
-        received_probs_R = all_to_all(sent_probs.float(), output_splits, input_splits, self.ep_group)
-        if self.num_local_experts > 1:
-            received_RH = sort_chunks_by_idxs(received_RH, chunk_sizes, self._sort_order)
-            received_probs_R = sort_chunks_by_idxs(received_probs_R, chunk_sizes, self._sort_order)
-        meta = AlltoAllDispatchMeta(
-            row_map, tuple(input_splits), tuple(output_splits), tuple(chunk_sizes), None
-        )
-        return received_RH, tokens_per_expert_L, received_probs_R, meta
-
-    def _dispatch_padded(self, sent, sent_probs, row_map, capacity):
-        # Static shapes: every (rank, expert) pair exchanges exactly C = `capacity` rows; R = ep * L * C.
-        ep, num_local = self.ep_size, self.num_local_experts
-        splits = [num_local * capacity] * ep
-        received = all_to_all(sent, splits, splits, self.ep_group)  # [ep * L * C, H], source rank major
-        received_probs = all_to_all(sent_probs.float(), splits, splits, self.ep_group)
-        hidden_size = sent.shape[-1]
-        received_RH = received.view(ep, num_local, capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
-        received_probs_R = received_probs.view(ep, num_local, capacity).transpose(0, 1).reshape(-1)
-        tokens_per_expert_L = torch.full((num_local,), ep * capacity, dtype=torch.int64, device=sent.device)
-        meta = AlltoAllDispatchMeta(row_map, tuple(splits), tuple(splits), None, capacity)
-        return received_RH, tokens_per_expert_L, received_probs_R, meta
+    @property
+    def token_rows(self) -> bool:
+        """Whether rows travel per (token, EP rank) (module docstring); else per (token, expert)."""
+        return not self.drop_and_pad and self.num_local_experts > 1
 
     def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
         """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[T, H]``.
 
         Probs were applied inside the experts, so this is a pure sum over each token's rows.
         """
-        out = expert_output  # [R, H], then [R_s, H] once back on this rank
+        out = expert_output  # [R, H], then [N or R, H] to send, then [N_s or R_s, H] back on this rank
         if self.ep_size > 1:
-            if meta.capacity is not None:
-                ep, num_local, hidden_size = self.ep_size, self.num_local_experts, out.shape[-1]
-                out = out.view(num_local, ep, meta.capacity, hidden_size).transpose(0, 1).reshape(-1, hidden_size)
-            elif self.num_local_experts > 1:
-                sorted_sizes = [meta.chunk_sizes[i] for i in self._sort_order]
-                out = sort_chunks_by_idxs(out, sorted_sizes, self._unsort_order)
+            if meta.received_map is not None:
+                out = unpermute_rows(out, meta.received_map.token_of_row, meta.received_map.row_of_slot)
+            elif meta.unsort_index is not None:
+                out = permute_rows(out, meta.unsort_index, meta.sort_index.unsqueeze(1))
             out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
         return unpermute(out, meta.row_map)
 
+    def _permute_kwargs(self, num_tokens: int, probs: torch.Tensor) -> dict:
+        return dict(probs=probs, num_out_tokens=self.num_out_tokens(num_tokens), drop_and_pad=self.drop_and_pad,
+                    num_slots=None if self.drop_and_pad else self.topk)
 
-def _split_sizes_to_host(input_splits: torch.Tensor, counts: torch.Tensor) -> tuple[list[int], list[int]]:
-    # The one host sync of the non-padded path (Megatron's preprocess does the same): all_to_all_single
-    # needs its split sizes on the host. One device->host copy carries both tensors.
-    host = torch.cat([input_splits, counts]).tolist()
-    return host[: input_splits.numel()], host[input_splits.numel():]
+    def _dispatch_token_rows(self, hidden, probs, routing_map):
+        num_tokens, hidden_size = hidden.shape
+        ep, num_local, topk = self.ep_size, self.num_local_experts, self.topk
+        check_num_slots(routing_map, topk)
+        routing_TRL = routing_map.view(num_tokens, ep, num_local)
+        dest_TR = routing_TRL.any(dim=2)  # [T, ep]: token t goes to rank r
+        # Per peer: rows for each of its local experts, then the tokens it gets.
+        counts_RC = torch.cat([routing_TRL.sum(dim=0), dest_TR.sum(dim=0, keepdim=True).t()], dim=1)
+        _, counts_copy = self._exchange_counts(counts_RC.reshape(-1), num_local + 1)
+        # Sized for T * ep rows until the host knows N_s: all of it queued before the host waits.
+        token_of_row, dest_of_row, row_of_slot = token_rows(dest_TR)
+        experts_TK, probs_TK = token_experts(routing_map, probs, topk)
+        values = row_values(experts_TK, probs_TK, token_of_row, dest_of_row, num_local)  # [T * ep, 2K]
+        host = counts_copy.wait()
+        sent_RC, received_RC = host[:ep * (num_local + 1)], host[ep * (num_local + 1):]
+        input_splits, output_splits = sent_RC[num_local::num_local + 1], received_RC[num_local::num_local + 1]
+        num_sent, num_expert_rows = sum(input_splits), sum(received_RC) - sum(output_splits)
+
+        sent_map = RowMap(token_of_row[:num_sent], row_of_slot)
+        packed = pack_rows(hidden, values[:num_sent], sent_map.token_of_row.unsqueeze(1), row_of_slot,
+                           compute_dtype(hidden))
+        received = all_to_all(packed, output_splits, input_splits, self.ep_group)  # [N, W]
+
+        local_NK = packed_values(received, hidden_size, 2 * topk)[:, :topk].long()
+        slot_column = torch.where(local_NK >= 0, local_NK, num_local)  # empty slots write a spare column
+        routing_NL = received.new_zeros(received.shape[0], num_local + 1, dtype=torch.bool).scatter_(
+            1, slot_column, True)[:, :num_local]
+        received_map, expert_of_row = build_row_map(routing_NL, topk, num_out_tokens=num_expert_rows)
+        rows_RH, values_NV = unpack_rows(received, received_map.token_of_row.unsqueeze(1), received_map.row_of_slot,
+                                         hidden_size, 2 * topk)
+        probs_NL = values_NV.new_zeros(received.shape[0], num_local + 1).scatter(1, slot_column, values_NV[:, topk:])
+        probs_R = probs_NL[received_map.token_of_row, expert_of_row]
+        meta = AlltoAllDispatchMeta(sent_map, tuple(input_splits), tuple(output_splits), received_map=received_map)
+        return rows_RH, routing_NL.sum(dim=0), probs_R, meta
+
+    def _dispatch_expert_rows(self, hidden, probs, routing_map):
+        num_tokens, hidden_size = hidden.shape
+        ep, num_local = self.ep_size, self.num_local_experts
+        capacity = self.capacity(num_tokens)
+        if capacity is None:
+            sent_counts_E = routing_map.sum(dim=0)  # rows this rank sends to each expert, global order
+            # received_counts[s * L + e]: rows source rank s sends to local expert e.
+            received_counts, counts_copy = self._exchange_counts(sent_counts_E, num_local)
+        else:  # static: made where _received_layout reads it, the side stream on CUDA
+            received_counts, = _on_side_stream(
+                lambda: (hidden.new_full((ep * num_local,), capacity, dtype=torch.int64),), hidden.device,
+                after_current=False, join=False)
+        packed = num_local > 1
+        sent, sent_probs, row_map = permute(hidden, routing_map, pack_probs=packed,
+                                            **self._permute_kwargs(num_tokens, probs))
+        if capacity is None:
+            host_counts = counts_copy.wait()
+            input_splits = _per_rank(host_counts[:self.num_experts], num_local)
+            output_splits = _per_rank(host_counts[self.num_experts:], num_local)
+        else:
+            input_splits = output_splits = [num_local * capacity] * ep
+        received = all_to_all(sent, output_splits, input_splits, self.ep_group)
+        tokens_per_expert_L, sort_index, unsort_index = _received_layout(
+            received_counts.view(ep, num_local), sum(output_splits), packed)
+        if not packed:
+            received_probs = all_to_all(sent_probs.float(), output_splits, input_splits, self.ep_group)
+            return received, tokens_per_expert_L, received_probs, AlltoAllDispatchMeta(
+                row_map, tuple(input_splits), tuple(output_splits))
+        received_RH, received_probs = unpack_rows(received, sort_index.unsqueeze(1), unsort_index.unsqueeze(1),
+                                                  hidden_size, 1)
+        meta = AlltoAllDispatchMeta(row_map, tuple(input_splits), tuple(output_splits), unsort_index=unsort_index,
+                                    sort_index=sort_index)
+        return received_RH, tokens_per_expert_L, received_probs[:, 0].index_select(0, sort_index), meta
+
+    def _exchange_counts(self, counts: torch.Tensor, per_peer: int) -> tuple[torch.Tensor, _CountsCopy]:
+        """The counts ``[ep * per_peer]`` (``per_peer`` to each EP rank, in rank order) exchanged, and the host copy
+        of ``[counts, received]``.
+
+        On CUDA both run on the dispatcher's side stream after the work queued so far, so the exchange (a
+        latency-bound collective) and the copy proceed while the current stream works on; it does not wait.
+        """
+        splits = [per_peer] * self.ep_size
+
+        def exchange():
+            received = all_to_all(counts, splits, splits, self.ep_group)
+            return received, _CountsCopy(torch.cat([counts, received]))
+
+        return _on_side_stream(exchange, counts.device, counts, after_current=True, join=False)
 
 
-__all__ = [
-    "MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta", "sort_chunks_by_idxs",
-]
+def _received_layout(counts_SL: torch.Tensor, num_rows: int, sort: bool):
+    """``(tokens_per_expert [L], sort_index [R] or None, unsort_index [R] or None)`` of expert rows received.
+
+    On CUDA the few dozen tiny kernels run on the dispatcher's side stream, after the count exchange queued there
+    and not after the permute or the all-to-all queued on the current stream, so they stay off the critical path;
+    the current stream waits for them before their first use.
+    """
+    def layout():
+        indices = (chunk_transpose_index(counts_SL, num_rows), chunk_transpose_index(counts_SL.t(), num_rows))
+        return (counts_SL.sum(dim=0), *(indices if sort else (None, None)))
+
+    return _on_side_stream(layout, counts_SL.device, counts_SL, after_current=False, join=True)
+
+
+@torch.compiler.disable
+def _on_side_stream(fn, device: torch.device, *inputs: torch.Tensor, after_current: bool, join: bool) -> tuple:
+    """``fn()`` on ``device``'s side stream ``"dispatch"`` (in place off CUDA); returns its outputs, a tuple.
+
+    ``inputs``: the tensors ``fn`` reads, kept from reuse until the side stream has read them. ``after_current``:
+    the side stream first waits for the work queued so far on the current stream (else only for its own earlier
+    work). ``join``: the current stream waits for ``fn``'s kernels, and its tensor outputs are recorded as used
+    there (allocated on the side stream, they must outlive the side stream's next work).
+    """
+    if device.type != "cuda":
+        return fn()
+    main, side = torch.cuda.current_stream(device), side_stream(device, "dispatch")
+    if after_current:
+        side.wait_stream(main)
+    with torch.cuda.stream(side):
+        outputs = fn()
+    for tensor in inputs:
+        tensor.record_stream(side)
+    if join:
+        main.wait_stream(side)
+        for out in outputs:
+            if isinstance(out, torch.Tensor):
+                out.record_stream(main)
+    return outputs
+
+
+def _per_rank(counts: list[int], num_local: int) -> list[int]:
+    """Sums of consecutive blocks of ``num_local`` counts: rows per EP rank."""
+    return [sum(counts[i:i + num_local]) for i in range(0, len(counts), num_local)]
+
+
+class _CountsCopy:
+    """A device->host copy of int64 counts, queued at construction, waited for by ``wait``.
+
+    On CUDA the copy goes to pinned memory behind the work already queued on the current stream and records an
+    event; ``wait`` blocks the host on that event only, not on work queued after the copy. On the CPU it is the
+    tensor itself. Run eagerly under ``torch.compile`` (a host sync cannot be traced).
+    """
+
+    @torch.compiler.disable
+    def __init__(self, counts: torch.Tensor):
+        self._event = None
+        if counts.is_cuda:
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = counts
+
+    @torch.compiler.disable
+    def wait(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+
+__all__ = ["MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta"]

@@ -7,7 +7,8 @@ the token each routed row copies (-1: a padding row of zeros), and ``row_of_slot
 each of a token's K slots (-1: an empty slot). Permute gathers ``x[token_of_row]``; unpermute gathers each
 token's K rows and sums them in slot order. Each is the other's backward, so neither direction scatters or
 uses atomics: results are deterministic. On CUDA the gathers are Triton kernels (``ops/triton/permute.py``);
-elsewhere the PyTorch references of ``ops/reference.py``.
+elsewhere the PyTorch references of ``ops/reference.py``. ``ops/pack.py`` has the same gathers into and out of
+rows that carry extra float32 values.
 """
 
 from __future__ import annotations
@@ -18,32 +19,39 @@ from moe_core.ops.reference import gather_rows_ref, gather_sum_rows_ref
 from moe_core.ops.triton_available import triton_available
 
 
-def _gather_rows(src: torch.Tensor, index: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def gather_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write ``src[index[r]]`` (zeros where ``index[r] < 0``) into row r of ``out``, cast to out's dtype; returns
+    ``out``. ``src`` [N, H] and ``out`` [R, H] may be column slices of wider rows; ``index`` [R] int64."""
     if src.is_cuda and triton_available():
-        from moe_core.ops.triton.permute import gather_rows
+        from moe_core.ops.triton.permute import gather_rows_into as triton_gather
 
-        return gather_rows(src.contiguous(), index.contiguous(), out_dtype)
-    return gather_rows_ref(src, index, out_dtype)
+        return triton_gather(src if src.stride(1) == 1 else src.contiguous(), index.contiguous(), out)
+    return out.copy_(gather_rows_ref(src, index, out.dtype))
 
 
-def _gather_sum_rows(src: torch.Tensor, index: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def gather_sum_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the sum of ``src[index[t, k]]`` over the slots with ``index >= 0``, in slot order, in float32 (float64
+    for float64 sources), into row t of ``out``, cast to out's dtype; returns ``out``. ``src`` [R, H] and ``out``
+    [T, H] as in ``gather_rows_into``; ``index`` [T, K] int64."""
     if src.is_cuda and triton_available():
-        from moe_core.ops.triton.permute import gather_sum_rows
+        from moe_core.ops.triton.permute import gather_sum_rows_into as triton_gather_sum
 
-        return gather_sum_rows(src.contiguous(), index.contiguous(), out_dtype)
-    return gather_sum_rows_ref(src, index, out_dtype)
+        return triton_gather_sum(src if src.stride(1) == 1 else src.contiguous(), index.contiguous(), out)
+    return out.copy_(gather_sum_rows_ref(src, index, out.dtype))
 
 
 @torch.library.custom_op("moe_core::permute_rows", mutates_args=())
 def _permute_rows(x: torch.Tensor, token_of_row: torch.Tensor, row_of_slot: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
-    return _gather_rows(x, token_of_row, out_dtype)
+    out = x.new_empty(token_of_row.shape[0], x.shape[1], dtype=out_dtype)
+    return gather_rows_into(x, token_of_row, out)
 
 
 @torch.library.custom_op("moe_core::unpermute_rows", mutates_args=())
 def _unpermute_rows(y: torch.Tensor, token_of_row: torch.Tensor, row_of_slot: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
-    return _gather_sum_rows(y, row_of_slot, out_dtype)
+    out = y.new_empty(row_of_slot.shape[0], y.shape[1], dtype=out_dtype)
+    return gather_sum_rows_into(y, row_of_slot, out)
 
 
 @_permute_rows.register_fake
@@ -96,4 +104,4 @@ def unpermute_rows(y_RH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot
     return torch.ops.moe_core.unpermute_rows(y_RH, token_of_row_R, row_of_slot_TK, out_dtype or y_RH.dtype)
 
 
-__all__ = ["permute_rows", "unpermute_rows"]
+__all__ = ["permute_rows", "unpermute_rows", "gather_rows_into", "gather_sum_rows_into"]

@@ -121,6 +121,7 @@ def test_tiny_config_loads():
     (dict(num_moe_experts=4, moe_router_load_balancing_type="switch"), ValueError, "moe_router_load_balancing_type"),
     (dict(num_moe_experts=6, expert_model_parallel_size=4), ValueError, "expert_model_parallel_size"),
     (dict(num_moe_experts=4, moe_pad_expert_input_to_capacity=True), ValueError, "moe_expert_capacity_factor"),
+    (dict(num_moe_experts=4, moe_shared_expert_overlap=True), ValueError, "moe_shared_expert_intermediate_size"),
     (dict(num_moe_experts=4, moe_layer_freq=[1, 0, 1]), ValueError, "moe_layer_freq"),
     (dict(tensor_model_parallel_size=2), ValueError, "tensor_model_parallel_size"),
 ])

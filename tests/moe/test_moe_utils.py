@@ -13,6 +13,7 @@ from moe_core.moe.capacity import apply_token_dropping, get_capacity
 from moe_core.moe.dispatcher_factory import build_token_dispatcher
 from moe_core.moe.moe_utils import permute, unpermute
 from moe_core.moe.token_dispatcher import MoELocalTokenDispatcher, MoETokenDispatcher
+from moe_core.ops.pack import packed_values
 
 
 def make_config(**kw) -> TransformerConfig:
@@ -153,6 +154,18 @@ def test_permute_rejects_bad_inputs():
     _, _, row_map = permute(tokens, routing_map, num_slots=1)
     with pytest.raises(ValueError, match="token_of_row"):
         unpermute(tokens[:5], row_map)
+    with pytest.raises(ValueError, match="pack_probs=True needs probs"):
+        permute(tokens, routing_map, pack_probs=True)
+
+
+def test_permute_packs_the_probs_into_the_rows():
+    routing_map, probs = random_routing(9, 5, 2, seed=4)
+    tokens = torch.randn(9, 6)
+    permuted, permuted_probs, row_map = permute(tokens, routing_map, probs, num_slots=2)
+    packed, none, packed_map = permute(tokens, routing_map, probs, num_slots=2, pack_probs=True)
+    assert none is None and torch.equal(packed_map.token_of_row, row_map.token_of_row)
+    assert torch.equal(packed[:, :6], permuted)
+    assert torch.equal(packed_values(packed, 6, 1)[:, 0], permuted_probs.float())
 
 
 def dispatch_reference_check(dispatcher, hidden, probs, routing_map, expected_rows):

@@ -84,7 +84,7 @@ def test_opcheck(op):
                                                  (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("hidden", [1, 40, 2048, 7168])
 def test_triton_kernels_equal_references_bitwise(src_dtype, out_dtype, hidden):
-    from moe_core.ops.triton.permute import gather_rows, gather_sum_rows
+    from moe_core.ops.triton.permute import gather_rows_into, gather_sum_rows_into
 
     token_of_row, row_of_slot = random_maps(300, 8, 64, seed=hidden, device="cuda")
     token_of_row[::7] = -1  # padding rows
@@ -92,8 +92,8 @@ def test_triton_kernels_equal_references_bitwise(src_dtype, out_dtype, hidden):
     y = torch.randn(token_of_row.shape[0], hidden, device="cuda").to(src_dtype)
     # Poison the allocator's free blocks so an unwritten element shows as NaN.
     torch.full((300 * hidden * 8,), float("nan"), device="cuda")
-    permuted = gather_rows(x, token_of_row, out_dtype)
-    summed = gather_sum_rows(y, row_of_slot, out_dtype)
+    permuted = gather_rows_into(x, token_of_row, x.new_empty(token_of_row.shape[0], hidden, dtype=out_dtype))
+    summed = gather_sum_rows_into(y, row_of_slot, y.new_empty(300, hidden, dtype=out_dtype))
     assert torch.equal(permuted, gather_rows_ref(x, token_of_row, out_dtype))
     assert torch.equal(summed, gather_sum_rows_ref(y, row_of_slot, out_dtype))
     assert not permuted.isnan().any() and not summed.isnan().any()

@@ -11,8 +11,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from moe_core.moe.capacity import apply_token_dropping
+from moe_core.moe.token_dispatcher_alltoall import _CountsCopy
+from moe_core.ops.pack import packed_width
 from tests.parallel._common import all_reduce_sum, compare, groups
-from tests.parallel._launch import device, run_distributed
+from tests.parallel._launch import BACKEND, device, run_distributed
 from tests.parallel._models import (
     CAPACITY,
     DISPATCHERS,
@@ -20,29 +23,31 @@ from tests.parallel._models import (
     NUM_EXPERTS,
     SCENARIOS,
     ToyMoE,
+    forced_probs,
     forced_routing,
     make_config,
     token_counts,
 )
 
 
-def _layer_parity(scenario: str, dispatchers: list[str], ep: int, capacity: str | None = None) -> dict:
+def _layer_parity(scenario: str, dispatchers: list[str], ep: int, capacity: str | None = None,
+                  num_experts: int = NUM_EXPERTS) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
-    pg = groups(ep, NUM_EXPERTS)
+    pg = groups(ep, num_experts)
     sc = SCENARIOS[scenario]
-    cfg = make_config(NUM_EXPERTS, sc.topk, ep=ep, **CAPACITY[capacity])
+    cfg = make_config(num_experts, sc.topk, ep=ep, **CAPACITY[capacity])
     dev = device()
     torch.manual_seed(0)
-    ref = ToyMoE(make_config(NUM_EXPERTS, sc.topk, **CAPACITY[capacity]), dispatcher=None).to(dev)
+    ref = ToyMoE(make_config(num_experts, sc.topk, **CAPACITY[capacity]), dispatcher=None).to(dev)
     x_all = torch.randn(GLOBAL_TOKENS, cfg.hidden_size, device=dev)
-    routing_all = forced_routing(sc, GLOBAL_TOKENS, world, ep, NUM_EXPERTS).to(dev)
+    routing_all = forced_routing(sc, GLOBAL_TOKENS, world, ep, num_experts).to(dev)
     counts = token_counts(sc, GLOBAL_TOKENS, world)
     start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
 
     x_ref = x_all.clone().requires_grad_()
     out_ref = ref(x_ref, routing_all, counts)
     (out_ref.pow(2).sum() / GLOBAL_TOKENS).backward()
-    num_local = NUM_EXPERTS // ep
+    num_local = num_experts // ep
     local = slice(pg.ep_rank * num_local, (pg.ep_rank + 1) * num_local)
     unused = ~routing_all.any(0)  # [E] experts no token visits
     dropped = int((routing_all & ~ref.last_routing_map).sum())
@@ -69,22 +74,35 @@ def _layer_parity(scenario: str, dispatchers: list[str], ep: int, capacity: str 
         zero = expert_grad[unused[local]]
         assert torch.equal(zero, torch.zeros_like(zero)), f"{name}: unused experts' grads are not exactly 0"
         results[name] = (out.detach(), x.grad, expert_grad)
-    if len(results) == 2:
-        (o1, g1, w1), (o2, g2, w2) = results.values()
-        agree: dict = {}
-        for label, a, b in (("output", o1, o2), ("input grad", g1, g2), ("expert grad", w1, w2)):
-            compare(f"allgather vs alltoall {label}", a, b, agree, rtol=1e-6, atol=1e-7)
-        stats["agree_max_abs"] = agree["max_abs"]
+    first, *others = results
+    agree: dict = {"max_abs": 0.0}
+    for other in others:
+        for label, a, b in zip(("output", "input grad", "expert grad"), results[first], results[other], strict=True):
+            compare(f"{other} vs {first} {label}", b, a, agree, rtol=1e-6, atol=1e-7)
+    stats["agree_max_abs"] = agree["max_abs"]
     return stats
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_dispatchers_match_reference(world, scenario):
-    # AllGather needs the same token count on every rank; the send_zero scenario checks AlltoAll only.
-    dispatchers = ["alltoall"] if SCENARIOS[scenario].empty_rank is not None else ["alltoall", "allgather"]
+    # AllGather needs the same token count on every rank; the send_zero scenario checks AlltoAll only. The alltoall
+    # dispatcher's two layouts (token rows, its default here, and expert rows) hand the experts the same rows.
+    dispatchers = ["alltoall", "alltoall_expert_rows"]
+    if SCENARIOS[scenario].empty_rank is None:
+        dispatchers.append("allgather")
     stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=dispatchers, ep=world)
     print(f"world={world} {scenario}: {stats[0]}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario,capacity", [("dirichlet", None), ("send_zero", None), ("one_expert", "pad")])
+def test_one_local_expert(world, scenario, capacity):
+    """E = EP (one expert per rank): rows arrive sorted, so they and the probs travel unpacked, unsorted."""
+    dispatchers = ["alltoall"] if SCENARIOS[scenario].empty_rank is not None else ["alltoall", "allgather"]
+    stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=dispatchers, ep=world,
+                            capacity=capacity, num_experts=world)
+    print(f"world={world} E={world} {scenario} {capacity}: {stats[0]}")
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -97,13 +115,17 @@ def test_dispatchers_with_capacity(world, capacity, scenario):
     print(f"world={world} {scenario} {capacity}: {stats[0]}")
 
 
-def _collective_trace(scenario: str, dispatcher: str) -> list[str]:
-    """The sequence of collectives one rank issues in a forward + backward of the layer."""
+def _collective_trace(scenario: str, dispatcher: str, capacity: str | None = None,
+                      num_experts: int = NUM_EXPERTS) -> tuple[list[str], int]:
+    """The sequence of collectives one rank issues in a forward + backward of the layer, and how many times the
+    alltoall dispatcher waited for its counts on the host."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
-    pg = groups(world, NUM_EXPERTS)
+    pg = groups(world, num_experts)
     sc = SCENARIOS[scenario]
     trace: list[str] = []
     originals = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor")}
+    original_wait = _CountsCopy.wait
+    waits = []
 
     def recorder(name):
         def call(out, inp, *args, **kwargs):
@@ -111,34 +133,119 @@ def _collective_trace(scenario: str, dispatcher: str) -> list[str]:
             return originals[name](out, inp, *args, **kwargs)
         return call
 
+    def counting_wait(self):
+        waits.append(1)
+        return original_wait(self)
+
     try:
         for name in originals:
             setattr(dist, name, recorder(name))
-        model = ToyMoE(make_config(NUM_EXPERTS, sc.topk, ep=world), pg, dispatcher, pg.ep_rank).to(dev)
+        _CountsCopy.wait = counting_wait
+        config = make_config(num_experts, sc.topk, ep=world, **CAPACITY[capacity])
+        model = ToyMoE(config, pg, dispatcher, pg.ep_rank).to(dev)
         counts = token_counts(sc, GLOBAL_TOKENS, world)
         start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
-        routing = forced_routing(sc, GLOBAL_TOKENS, world, world, NUM_EXPERTS).to(dev)
+        routing = forced_routing(sc, GLOBAL_TOKENS, world, world, num_experts).to(dev)
         x = torch.randn(GLOBAL_TOKENS, 16, device=dev)[start:stop].requires_grad_()
         model(x, routing[start:stop]).pow(2).sum().backward()
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    return trace
+        _CountsCopy.wait = original_wait
+    return trace, len(waits)
 
 
 @pytest.mark.parametrize("dispatcher,scenarios", [
     ("alltoall", ["recv_zero", "send_zero", "one_expert", "disjoint"]),
+    ("alltoall_expert_rows", ["recv_zero", "send_zero", "disjoint"]),
     ("allgather", ["recv_zero", "one_expert", "disjoint"]),
 ])
 def test_same_collectives_on_every_rank(dispatcher, scenarios):
     """Whatever the routing (a rank sending or receiving nothing included), every rank issues the same
     collectives in the same order, forward and backward, so none can wait on a peer that skipped one."""
     for scenario in scenarios:
-        traces = run_distributed(4, _collective_trace, scenario=scenario, dispatcher=dispatcher)
+        traces = [trace for trace, _ in run_distributed(4, _collective_trace, scenario=scenario,
+                                                        dispatcher=dispatcher)]
         assert traces[0], "no collective recorded"
         for rank, trace in enumerate(traces):
             assert trace == traces[0], f"{scenario}: rank {rank} issued {trace}, rank 0 issued {traces[0]}"
         print(f"{dispatcher} {scenario}: {traces[0]}")
+
+
+@pytest.mark.parametrize("capacity", [None, "pad"])
+def test_alltoall_sends_probs_inside_the_rows_and_syncs_once(capacity):
+    """Several local experts: one count exchange (none with drop_and_pad, whose splits are static), then one
+    all-to-all of packed rows (hidden + tail: the probs, and without drop_and_pad the local experts) each way per
+    dispatch and one per combine; the host waits for the counts once per dispatch (never with drop_and_pad). One
+    local expert: rows and probs travel apart."""
+    hidden, topk = 16, 2
+    width = packed_width(hidden, 1 if capacity else 2 * topk, torch.float32)
+    count, rows = "all_to_all_single():torch.int64", f"all_to_all_single{(hidden,)}:torch.float32"
+    packed, probs = f"all_to_all_single{(width,)}:torch.float32", "all_to_all_single():torch.float32"
+    head = [] if capacity else [count]
+    for trace, waits in run_distributed(2, _collective_trace, scenario="dirichlet", dispatcher="alltoall",
+                                        capacity=capacity):
+        assert trace == head + [packed, rows, rows, packed]  # backward: combine's mirror, then dispatch's
+        assert waits == (0 if capacity else 1)
+    for trace, waits in run_distributed(2, _collective_trace, scenario="balanced", dispatcher="alltoall",
+                                        num_experts=2):
+        assert sorted(trace) == sorted([count, rows, probs, rows, rows, rows, probs]) and waits == 1
+
+
+def _bytes_sent(scenario: str, topk: int) -> int:
+    """Rows this rank hands to the rows' all-to-all in one alltoall dispatch (self included)."""
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    pg = groups(world, NUM_EXPERTS)
+    sc = SCENARIOS[scenario]
+    model = ToyMoE(make_config(NUM_EXPERTS, topk, ep=world), pg, "alltoall", pg.ep_rank).to(dev)
+    tokens = GLOBAL_TOKENS // world
+    routing = forced_routing(sc, GLOBAL_TOKENS, world, world, NUM_EXPERTS)[rank * tokens:][:tokens].to(dev)
+    _, _, _, meta = model.dispatcher.dispatch(torch.randn(tokens, 16, device=dev), torch.rand(routing.shape,
+                                              device=dev) * routing, routing)
+    return sum(meta.input_splits)
+
+
+def test_alltoall_sends_each_token_once_per_rank():
+    """Token rows: a token travels once to each rank holding any of its experts, however many it holds there.
+    "balanced" routes token t to experts 2t, 2t+1 (mod 8), both on one of the 2 ranks: one row per token, where one
+    row per expert would send two."""
+    assert run_distributed(2, _bytes_sent, scenario="balanced", topk=2) == [GLOBAL_TOKENS // 2] * 2
+
+
+def _sync_free_dispatch(capacity: str | None) -> bool:
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    pg = groups(world, NUM_EXPERTS)
+    config = make_config(NUM_EXPERTS, 2, ep=world, **CAPACITY[capacity])
+    num_local = NUM_EXPERTS // world
+    dispatcher = DISPATCHERS["alltoall"](num_local, list(range(rank * num_local, (rank + 1) * num_local)), config, pg)
+    tokens = GLOBAL_TOKENS // world
+    routing = forced_routing(SCENARIOS["dirichlet"], GLOBAL_TOKENS, world, world, NUM_EXPERTS)[rank * tokens:][:tokens]
+    probs = forced_probs(torch.randn(tokens, NUM_EXPERTS), routing)
+    if capacity == "pad":
+        probs, routing = apply_token_dropping(probs, routing, dispatcher.capacity(tokens), pad_to_capacity=True)
+    hidden = torch.randn(tokens, 16, device=dev, requires_grad=True)
+    probs, routing = probs.to(dev).requires_grad_(), routing.to(dev)
+
+    def step():
+        permuted, _, permuted_probs, meta = dispatcher.dispatch(hidden, probs, routing)
+        dispatcher.combine(permuted * permuted_probs.unsqueeze(-1), meta).pow(2).sum().backward()
+
+    step()  # the communicators' set-up may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return True
+
+
+@pytest.mark.skipif(BACKEND != "nccl", reason="host syncs exist on CUDA only (MOE_CORE_TEST_BACKEND=nccl)")
+@pytest.mark.parametrize("capacity", [None, "pad"])
+def test_alltoall_has_no_implicit_host_sync(capacity):
+    """Under torch.cuda.set_sync_debug_mode("error") (any synchronising CUDA call raises) the dispatcher's forward
+    and backward run: its one wait for the counts is an event wait on a copy already queued."""
+    assert all(run_distributed(2, _sync_free_dispatch, capacity=capacity))
 
 
 @pytest.mark.parametrize("name", ["alltoall", "allgather"])

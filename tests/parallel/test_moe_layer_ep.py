@@ -41,13 +41,18 @@ def ep_state(full: dict[str, torch.Tensor], ep_rank: int, num_local: int) -> dic
     return {k: v[ep_rank * num_local:(ep_rank + 1) * num_local] if is_expert_name(k) else v for k, v in full.items()}
 
 
-def _layer(scenario: str, dispatcher: str, capacity: str | None) -> dict:
+def _layer(scenario: str, dispatcher: str, capacity: str | None, overlap: bool = False) -> dict:
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     pg = groups(world, NUM_EXPERTS)
     sc = SCENARIOS[scenario]
     torch.manual_seed(0)
     ref = MoELayer(layer_config(sc.topk, dispatcher, **CAPACITY[capacity])).to(dev)
-    model = MoELayer(layer_config(sc.topk, dispatcher, ep=world, **CAPACITY[capacity]), pg).to(dev)
+    model = MoELayer(layer_config(sc.topk, dispatcher, ep=world, moe_shared_expert_overlap=overlap,
+                                  **CAPACITY[capacity]), pg).to(dev)
+    assert model.shared_experts.overlap == overlap
+    side_stream_calls = []
+    on_side_stream = model.shared_experts._start_on_side_stream
+    model.shared_experts._start_on_side_stream = lambda h: side_stream_calls.append(1) or on_side_stream(h)
     num_local = model.num_local_experts
     model.load_state_dict(ep_state(ref.state_dict(), pg.ep_rank, num_local))
     counts = token_counts(sc, GLOBAL_TOKENS, world)
@@ -85,6 +90,8 @@ def _layer(scenario: str, dispatcher: str, capacity: str | None) -> dict:
         else:
             compare(f"grad {name}", all_reduce_sum(p.grad), ref_grad, stats)
     stats["unused_local_experts"] = int(unused.sum())
+    # The overlapped path runs on CUDA only (gloo runs the shared expert in order).
+    assert len(side_stream_calls) == (1 if overlap and dev.type == "cuda" else 0)
     return stats
 
 
@@ -103,3 +110,14 @@ def test_moe_layer_matches_single_process(world, dispatcher, scenario):
 def test_moe_layer_with_capacity(dispatcher, capacity):
     stats = run_distributed(4, _layer, scenario="dirichlet", dispatcher=dispatcher, capacity=capacity)
     print(f"world=4 {dispatcher} dirichlet {capacity}: {stats[0]}")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("scenario", ["dirichlet", "send_zero"])
+def test_moe_layer_with_shared_expert_overlap(dispatcher, scenario):
+    """moe_shared_expert_overlap: on NCCL the shared expert runs on a side stream during the dispatch, forward
+    and backward; the layer still equals the single-process one."""
+    if dispatcher == "allgather" and SCENARIOS[scenario].empty_rank is not None:
+        pytest.skip("AllGather needs the same token count on every EP rank")
+    stats = run_distributed(2, _layer, scenario=scenario, dispatcher=dispatcher, capacity=None, overlap=True)
+    print(f"world=2 {dispatcher} {scenario} overlap: {stats[0]}")

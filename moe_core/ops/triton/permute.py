@@ -1,6 +1,10 @@
 """Row gather kernels of permute/unpermute: no atomics, so both directions are deterministic.
 
-Legend: T tokens, K slots per token (top-k), R routed rows, H hidden.
+Legend: T tokens, K slots per token (top-k), R routed rows, H hidden (the columns copied).
+
+Source and destination rows may be wider than H (a packed buffer whose extra columns carry each row's prob,
+``moe_core.ops.permute``): each side has its own row stride and its columns are contiguous. Triton
+specialises strides that are multiples of 16, which keeps wide vector loads for 16-aligned packed widths.
 """
 
 import torch
@@ -11,18 +15,19 @@ _BLOCK_H = 1024
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, H, BLOCK_H: tl.constexpr):
+def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, H, src_stride, dst_stride, BLOCK_H: tl.constexpr):
     # dst[r] = src[index[r]], or zeros where index[r] < 0; one program per (row, column block).
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     src_row = tl.load(index_ptr + row).to(tl.int64)
     mask = cols < H
-    values = tl.load(src_ptr + src_row * H + cols, mask=mask & (src_row >= 0), other=0.0)
-    tl.store(dst_ptr + row.to(tl.int64) * H + cols, values.to(dst_ptr.dtype.element_ty), mask=mask)
+    values = tl.load(src_ptr + src_row * src_stride + cols, mask=mask & (src_row >= 0), other=0.0)
+    tl.store(dst_ptr + row.to(tl.int64) * dst_stride + cols, values.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _gather_sum_rows_kernel(src_ptr, index_ptr, dst_ptr, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather_sum_rows_kernel(src_ptr, index_ptr, dst_ptr, H, src_stride, dst_stride, K: tl.constexpr,
+                            BLOCK_H: tl.constexpr):
     # dst[t] = sum over k of src[index[t, k]] in float32, skipping index < 0, in the fixed order k = 0..K-1.
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -30,33 +35,43 @@ def _gather_sum_rows_kernel(src_ptr, index_ptr, dst_ptr, H, K: tl.constexpr, BLO
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for k in tl.static_range(K):
         src_row = tl.load(index_ptr + token * K + k).to(tl.int64)
-        acc += tl.load(src_ptr + src_row * H + cols, mask=mask & (src_row >= 0), other=0.0).to(tl.float32)
-    tl.store(dst_ptr + token * H + cols, acc.to(dst_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(src_ptr + src_row * src_stride + cols, mask=mask & (src_row >= 0), other=0.0).to(tl.float32)
+    tl.store(dst_ptr + token * dst_stride + cols, acc.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 def _block(h: int) -> int:
     return min(_BLOCK_H, triton.next_power_of_2(max(h, 16)))
 
 
-def gather_rows(src: torch.Tensor, index: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``[R, H]`` in ``out_dtype``: row r is ``src[index[r]]`` (``src`` ``[T, H]`` contiguous), zeros where
-    ``index[r] < 0``."""
-    rows, h = index.shape[0], src.shape[1]
-    out = torch.empty(rows, h, dtype=out_dtype, device=src.device)
+def _check_rows(src: torch.Tensor, out: torch.Tensor) -> None:
+    if src.dim() != 2 or out.dim() != 2 or src.shape[1] != out.shape[1] or src.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError(f"src / out: expected [*, H] rows with contiguous columns, got {tuple(src.shape)} "
+                         f"(strides {src.stride()}) and {tuple(out.shape)} (strides {out.stride()})")
+
+
+def gather_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write ``src[index[r]]`` (zeros where ``index[r] < 0``) into row r of ``out`` [R, H], cast to out's dtype.
+
+    ``src`` [N, H] and ``out`` [R, H] may be column slices of wider buffers (any row stride, contiguous
+    columns); ``index`` [R] int64 contiguous. Returns ``out``."""
+    _check_rows(src, out)
+    rows, h = index.shape[0], out.shape[1]
     if rows and h:
         block = _block(h)
-        _gather_rows_kernel[(rows, triton.cdiv(h, block))](src, index, out, h, BLOCK_H=block, num_warps=4)
+        _gather_rows_kernel[(rows, triton.cdiv(h, block))](src, index, out, h, src.stride(0), out.stride(0),
+                                                           BLOCK_H=block, num_warps=4)
     return out
 
 
-def gather_sum_rows(src: torch.Tensor, index: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``[T, H]`` in ``out_dtype``: row t is the float32 sum of ``src[index[t, k]]`` over the K slots with
-    ``index >= 0`` (``src`` ``[R, H]`` contiguous, ``index`` ``[T, K]`` contiguous)."""
+def gather_sum_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Write the float32 sum of ``src[index[t, k]]`` over the K slots with ``index >= 0`` into row t of ``out``
+    [T, H], cast to out's dtype. ``src`` [R, H] and ``out`` as in ``gather_rows_into``; ``index`` [T, K] int64
+    contiguous. Returns ``out``."""
+    _check_rows(src, out)
     tokens, k = index.shape
-    h = src.shape[1]
-    out = torch.empty(tokens, h, dtype=out_dtype, device=src.device)
+    h = out.shape[1]
     if tokens and h:
         block = _block(h)
-        _gather_sum_rows_kernel[(tokens, triton.cdiv(h, block))](src, index, out, h, K=k, BLOCK_H=block,
-                                                                   num_warps=4)
+        _gather_sum_rows_kernel[(tokens, triton.cdiv(h, block))](src, index, out, h, src.stride(0), out.stride(0),
+                                                                 K=k, BLOCK_H=block, num_warps=4)
     return out

@@ -1,0 +1,78 @@
+"""Index maps of the all-to-all dispatcher's two row layouts (``token_dispatcher_alltoall.py``), all computed on
+the device without host syncs.
+
+Legend (docs/design.md): T tokens, E experts, L local experts per EP rank, K topk, N_s token rows sent, R rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chunk_transpose_index(counts_AB: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The gather index that reorders rows held in chunks (a, b), a-major, into b-major chunk order.
+
+    Megatron's ``sort_chunks_by_idxs`` for the chunk grid of an all-to-all, as one index: ``rows[index]`` lists
+    chunk (0, 0), (1, 0), ..., (A-1, 0), (0, 1), ... with each chunk's rows in their order. Computed on the
+    device (no host sync).
+
+    Args:
+        counts_AB: ``[A, B]`` int64, the rows of chunk (a, b).
+        num_rows: their sum (a host int, so the output's size needs no sync).
+    Returns:
+        ``[num_rows]`` int64 on counts' device, a permutation of ``range(num_rows)``.
+    """
+    num_a, num_b = counts_AB.shape
+    device = counts_AB.device
+    counts_ab = counts_AB.reshape(-1)
+    start_ab = counts_ab.cumsum(0) - counts_ab  # where chunk (a, b) starts in the a-major source
+    counts_ba = counts_AB.t().reshape(-1)
+    start_ba = counts_ba.cumsum(0) - counts_ba  # where chunk (a, b) starts in the b-major output
+    chunk = torch.repeat_interleave(torch.arange(num_a * num_b, device=device), counts_ba, output_size=num_rows)
+    shift = start_ab.view(num_a, num_b).t().reshape(-1) - start_ba  # per b-major chunk id
+    return torch.arange(num_rows, device=device) + shift[chunk]
+
+
+def token_rows(dest_TR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The send rows of the token-row layout: a row per (token, destination rank) where ``dest_TR [T, ep]`` is set,
+    rank-major, token order inside a rank.
+
+    Sized for the most rows there can be (``T * ep``), so no host sync is needed before the count is known: the
+    first N_s entries are the rows, the rest filler (token T - 1, rank -1) to slice away.
+
+    Returns:
+        ``(token_of_row [T * ep], dest_of_row [T * ep], row_of_slot [T, ep])`` int64: the token and rank of each
+        row, and the row of each (token, rank) (-1 where not sent).
+    """
+    num_tokens, ep = dest_TR.shape
+    flat_RT = dest_TR.t().reshape(-1)  # position r * T + t
+    rank_major_row = flat_RT.cumsum(0) - 1
+    row_of_slot = torch.where(dest_TR, rank_major_row.view(ep, num_tokens).t(), -1)
+    positions = torch.nonzero_static(flat_RT, size=num_tokens * ep).squeeze(1)  # filler -1 at the end
+    tokens = max(num_tokens, 1)
+    return positions.remainder(tokens), positions.div(tokens, rounding_mode="floor"), row_of_slot
+
+
+def token_experts(routing_map: torch.Tensor, probs: torch.Tensor, num_slots: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts in ascending order, ``[T, K]`` int64 (-1 in empty slots), and their probs ``[T, K]``
+    float32 (0 in empty slots; differentiable in ``probs``). K = ``num_slots``, at least any token's expert count."""
+    num_experts = routing_map.shape[1]
+    key = torch.where(routing_map, -torch.arange(num_experts, device=routing_map.device, dtype=torch.float32),
+                      -float("inf"))
+    order = key.topk(num_slots, dim=1).indices  # routed experts first, lowest id first
+    valid = routing_map.gather(1, order)
+    return torch.where(valid, order, -1), probs.float().gather(1, order) * valid
+
+
+def row_values(experts_TK: torch.Tensor, probs_TK: torch.Tensor, token_of_row: torch.Tensor,
+                dest_of_row: torch.Tensor, num_local: int) -> torch.Tensor:
+    """``[N_s, 2K]`` float32, a tail per sent row: its token's experts on the row's destination as local ids
+    (exact in float32; -1 in other slots), then their probs (0 in other slots)."""
+    experts = experts_TK[token_of_row]
+    here = (experts >= 0) & (experts.div(num_local, rounding_mode="floor") == dest_of_row.unsqueeze(1))
+    local = torch.where(here, experts.remainder(num_local), -1)
+    return torch.cat([local.float(), probs_TK[token_of_row] * here], dim=1)
+
+
+__all__ = ["chunk_transpose_index", "token_rows", "token_experts", "row_values"]

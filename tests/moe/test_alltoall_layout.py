@@ -1,0 +1,73 @@
+"""The alltoall dispatcher's index maps: chunk_transpose_index against the split-and-concatenate of Megatron's
+sort_chunks_by_idxs written out here; token_rows against build_row_map; token_experts and row_values against
+loops."""
+
+import pytest
+import torch
+
+from moe_core.moe.alltoall_layout import chunk_transpose_index, row_values, token_experts, token_rows
+from moe_core.moe.moe_utils import build_row_map
+
+
+def split_and_cat(rows: torch.Tensor, counts_AB: torch.Tensor) -> torch.Tensor:
+    num_a, num_b = counts_AB.shape
+    chunks = torch.split(rows, counts_AB.reshape(-1).tolist())
+    return torch.cat([chunks[a * num_b + b] for b in range(num_b) for a in range(num_a)])
+
+
+@pytest.mark.parametrize("num_a,num_b", [(1, 1), (2, 4), (4, 2), (3, 5)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_index_equals_split_and_cat_and_its_transpose_inverts_it(num_a, num_b, seed):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 5, (num_a, num_b), generator=g)
+    counts[0, 0] = 0  # empty chunks anywhere
+    num_rows = int(counts.sum())
+    rows = torch.randn(num_rows, 3, generator=g)
+    sort = chunk_transpose_index(counts, num_rows)
+    assert torch.equal(rows[sort], split_and_cat(rows, counts))
+    unsort = chunk_transpose_index(counts.t(), num_rows)
+    assert torch.equal(sort[unsort], torch.arange(num_rows)) and torch.equal(unsort[sort], torch.arange(num_rows))
+
+
+def test_all_empty():
+    assert chunk_transpose_index(torch.zeros(2, 3, dtype=torch.int64), 0).shape == (0,)
+
+
+@pytest.mark.parametrize("num_tokens,ep", [(0, 2), (1, 2), (13, 2), (9, 4)])
+def test_token_rows_lead_with_build_row_maps_rows(num_tokens, ep):
+    dest = torch.rand(num_tokens, ep, generator=torch.Generator().manual_seed(num_tokens)) > 0.4
+    token_of_row, dest_of_row, row_of_slot = token_rows(dest)
+    assert token_of_row.shape == dest_of_row.shape == (num_tokens * ep,)
+    num_sent = int(dest.sum())
+    expected, expected_dest = build_row_map(dest, ep, num_out_tokens=num_sent)
+    assert torch.equal(token_of_row[:num_sent], expected.token_of_row)
+    assert torch.equal(dest_of_row[:num_sent], expected_dest)
+    assert torch.equal(row_of_slot, torch.where(dest, row_of_slot, -1))
+    for t in range(num_tokens):  # row_of_slot names each (token, rank)'s row, by rank
+        for r in range(ep):
+            if dest[t, r]:
+                row = int(row_of_slot[t, r])
+                assert (int(token_of_row[row]), int(dest_of_row[row])) == (t, r)
+
+
+def test_token_experts_and_row_values_against_loops():
+    g = torch.Generator().manual_seed(3)
+    num_tokens, num_experts, topk, num_local = 7, 8, 3, 4
+    routing = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
+    for t in range(num_tokens):
+        routing[t, torch.randperm(num_experts, generator=g)[:1 + t % topk]] = True  # 1 to K experts
+    probs = torch.rand(num_tokens, num_experts, generator=g) * routing
+    experts, expert_probs = token_experts(routing, probs, topk)
+    for t in range(num_tokens):
+        ids = routing[t].nonzero().squeeze(1).tolist()
+        assert experts[t].tolist() == ids + [-1] * (topk - len(ids))
+        assert expert_probs[t].tolist() == probs[t, ids].tolist() + [0.0] * (topk - len(ids))
+    token_of_row = torch.tensor([0, 3, 6, 2])
+    dest_of_row = torch.tensor([0, 1, 1, 0])
+    values = row_values(experts, expert_probs, token_of_row, dest_of_row, num_local)
+    for row, (t, r) in enumerate(zip(token_of_row.tolist(), dest_of_row.tolist(), strict=True)):
+        here = [e >= 0 and e // num_local == r for e in experts[t].tolist()]
+        local = [e % num_local if h else -1 for e, h in zip(experts[t].tolist(), here, strict=True)]
+        assert values[row, :topk].tolist() == local
+        assert values[row, topk:].tolist() == [p if h else 0.0 for p, h in zip(expert_probs[t].tolist(), here,
+                                                                               strict=True)]
