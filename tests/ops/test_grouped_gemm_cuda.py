@@ -101,8 +101,22 @@ def test_groups_spanning_many_tiles(dtype, trans_weight, portable, monkeypatch):
     check_against_float64(counts, 264, 200, dtype, trans_weight)
 
 
+SM90_TILES = ["128x256", "128x128", "128x256c21", "128x128pp", "256x128c21", "rows"]
+TUNING_TILES = ("128x128pp", "256x128c21")  # built only with MOE_CORE_SM90_TUNING=1 (setup.py)
+
+
+def forced(tile: str, run) -> None:
+    """run() under MOE_CORE_GEMM_TILE=tile, skipping (after checking the error) a tuning kernel the build left out."""
+    try:
+        run()
+    except RuntimeError as err:
+        if tile not in TUNING_TILES or "rebuild with MOE_CORE_SM90_TUNING=1" not in str(err):
+            raise
+        pytest.skip(f"{tile} is a tuning kernel this build leaves out")
+
+
 @pytest.mark.parametrize("raster,swizzle", [("m", "1"), ("n", "4")])
-@pytest.mark.parametrize("tile", ["128x256", "128x128", "128x256c21", "128x128pp", "256x128c21", "rows"])
+@pytest.mark.parametrize("tile", SM90_TILES)
 @pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
 def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight, monkeypatch):
     # The heuristics pick one schedule per problem; MOE_CORE_GEMM_TILE/RASTER/SWIZZLE force each tile and
@@ -112,7 +126,7 @@ def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight
     monkeypatch.setenv("MOE_CORE_GEMM_SWIZZLE", swizzle)
     torch.manual_seed(7)
     counts = torch.tensor([0, 700, 5, 0, 300, 1, 0, 130])
-    check_against_float64(counts, 520, 384, torch.bfloat16, trans_weight)
+    forced(tile, lambda: check_against_float64(counts, 520, 384, torch.bfloat16, trans_weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
@@ -126,10 +140,9 @@ def test_16_bit_types_take_the_static_descriptor_kernels_by_default(dtype, monke
     check_against_float64(torch.tensor([16384]), 1088, 64, dtype, False)
     err = capfd.readouterr().err
     if torch.cuda.get_device_capability() == (9, 0) and "built without sm_90a" not in err:
-        assert "forward (weight [E, K, N]): E=2 m=2048 n=8192 k=64 -> tile 128x256x64 cooperative row tiles" in err
-        assert re.search(r"wgrad: E=2 m=64 n=8192 .* -> tile 128x256x32 cooperative cluster 2x1 row ranges", err)
-        wgrad = re.search(r"wgrad: E=1 m=1088 n=64 .* -> tile ([^,]*),", err)
-        assert wgrad and "row ranges" not in wgrad.group(1)
+        assert re.search(r"forward \(weight \[E, K, N\]\): E=2 m=2048 n=8192 k=64 -> row-tile 128x256x64 ", err)
+        assert re.search(r"wgrad: E=2 m=64 n=8192 .* -> row-range 128x256x32 cooperative cluster 2x1", err)
+        assert re.search(r"wgrad: E=1 m=1088 n=64 .* -> pointer-array ", err)
 
 
 @pytest.mark.parametrize("n", [33, 40])
