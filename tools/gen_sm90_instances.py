@@ -54,7 +54,7 @@ class Kernel:
 # The kernels pick_schedule names (grouped_gemm_sm90_schedule.h) must match these rows.
 KERNELS = (
     Kernel("kRowTile", (128, 256, 64), (1, 1), tuple(DTYPES), FORWARD),
-    Kernel("kRowRange", (128, 256, 32), (2, 1), tuple(DTYPES), ("kWgrad",)),
+    Kernel("kRowRange", (128, 256, 32), (2, 1), tuple(DTYPES), ("kWgrad", "kWgradAccum")),
     Kernel("kPtrArray", (128, 256, 64), (1, 2), tuple(DTYPES), tuple(OPS)),
     Kernel("kPtrArray", (128, 128, 64), (1, 1), tuple(DTYPES), tuple(OPS)),
     Kernel("kPtrArray", (128, 256, 64), (2, 1), ("kBf16",), FORWARD + ("kWgrad",)),

@@ -36,6 +36,8 @@ struct RowRange {
   CUTLASS_HOST_DEVICE operator int() const { return k_tiles; }
 };
 
+// kEmptyEnds: an empty expert's units end a cluster's walk (the accumulating wgrad, RowRangeScheduler).
+template <bool kEmptyEnds>
 struct RowRangeSchedulerTag {};
 
 // An expert and its rows [begin, end), as the row offsets hold them.
@@ -49,11 +51,12 @@ struct RowBounds {
 // rows, most first, so the clusters running at once share an expert's rows in L2, and the CTAs of a cluster
 // share the expert (its row range) and their multicast operand tiles. A unit costs about its expert's k-tiles
 // plus a fixed epilogue; walked in rounds (AheadWalk) from the costliest down, every cluster ends near the same
-// time however skewed the counts (docs/kernels.md).
-
-template <class ClusterShape>
-class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowBounds> {
-  using Walk = AheadWalk<RowRangeScheduler<ClusterShape>, RowBounds>;
+// time however skewed the counts (docs/kernels.md). kEmptyEnds (the accumulating wgrad, which leaves an empty
+// expert's d[e] untouched): order lists the empty experts last, and a cluster's walk only moves to later units,
+// so its first unit of an empty expert ends it.
+template <class ClusterShape, bool kEmptyEnds>
+class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape, kEmptyEnds>, RowBounds> {
+  using Walk = AheadWalk<RowRangeScheduler<ClusterShape, kEmptyEnds>, RowBounds>;
   friend Walk;
   using Base = typename Walk::Base;
   static constexpr int kClusterM = cute::size<0>(ClusterShape{}), kClusterN = cute::size<1>(ClusterShape{});
@@ -96,8 +99,9 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   CUTLASS_HOST_DEVICE static RowRange get_work_k_tile_count(WorkTileInfo const& work, ProblemShape shape,
                                                            TileShape) {
     constexpr int kBlockK = cute::size<2>(TileShape{});
-    // An expert without rows still runs one k-tile, so that its zeros come from the MMAs. It must start at row T,
-    // where TMA fills zeros: mma does not mask it (valid == 0), so any other start would sum real rows into d[e].
+    // An expert without rows (never one under kEmptyEnds) still runs one k-tile, so that its zeros come from the
+    // MMAs. It must start at row T, where TMA fills zeros: mma does not mask it (valid == 0), so any other start
+    // would sum real rows into d[e].
     if (work.rows == 0) return {static_cast<int32_t>(cute::get<2>(shape)), 0, 1};
     return {work.row_start, work.rows, work.rows / kBlockK + (work.rows % kBlockK != 0)};
   }
@@ -118,6 +122,9 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
   CUTLASS_DEVICE WorkTileInfo work(uint64_t u, RowBounds rows) const {
     WorkTileInfo w;
     if (u >= params_.total) return w;
+    if constexpr (kEmptyEnds) {
+      if (rows.end == rows.begin) return w;
+    }
     uint64_t in_expert, row;
     params_.units_mn.divmod(in_expert, u);
     const uint64_t column = params_.units_m.divmod(row, in_expert);
@@ -137,10 +144,10 @@ class RowRangeScheduler : public AheadWalk<RowRangeScheduler<ClusterShape>, RowB
 }  // namespace moe_core::cuda::sm90
 
 namespace cutlass::gemm::kernel::detail {
-template <class TileShape, class ClusterShape, uint32_t Stages>
-struct TileSchedulerSelector<moe_core::cuda::sm90::RowRangeSchedulerTag, arch::Sm90, TileShape, ClusterShape,
-                             Stages> {
-  using Scheduler = moe_core::cuda::sm90::RowRangeScheduler<ClusterShape>;
+template <class TileShape, class ClusterShape, uint32_t Stages, bool kEmptyEnds>
+struct TileSchedulerSelector<moe_core::cuda::sm90::RowRangeSchedulerTag<kEmptyEnds>, arch::Sm90, TileShape,
+                             ClusterShape, Stages> {
+  using Scheduler = moe_core::cuda::sm90::RowRangeScheduler<ClusterShape, kEmptyEnds>;
 };
 }  // namespace cutlass::gemm::kernel::detail
 
@@ -294,27 +301,21 @@ struct RowRangeMainloop : Built {
                 cutlass::gemm::detail::is_major<0, typename Built::StrideB>(), "A and B must be M/N-major");
 };
 
-// kRowRange, 128x256x32 cooperative, cluster 2x1 (the dy tile multicast to two row tiles of d[e]): CUTLASS's TMA
-// epilogue in 128x32 subtiles with 4 store stages instead of the builder's 2 (fewer waits on the previous
-// subtile's store).
-// 32-row k-tiles fit 8 stages of 24 KB where 64-row ones fit 4 of 48 KB: 168 KB of loads can run ahead of the
-// MMAs instead of 144, a tile's last wgmma batch is half as long to wait for, and an expert's last k-tile loads
-// at most 31 rows past it instead of 63. Shared memory sets the mainloop's depth: an epilogue that takes more of
-// it costs stages. Both operands are M/N-major, so their 128-byte swizzle does not depend on the k-tile; the
-// forward's K-major operands would drop to a 64-byte one. The epilogue only converts (d = acc): LinearCombination's
-// alpha = 1 would cost a multiply per element, 128 a thread per tile while the tensor cores wait. The tiles,
-// clusters, k-tile heights and epilogues measured against this one are in docs/kernels.md.
-template <Dtype D, Op O, KernelConfig K>
-struct RowRangeConfig {
-  static_assert(O == Op::kWgrad);
-  static_assert(K.mma == Mma::kCooperative, "RowRangeMainloop's k-loop is the cooperative one");
-  using Element = typename ElementOf<D>::type;
-  using TileShape = cute::Shape<cute::Int<K.tile.m>, cute::Int<K.tile.n>, cute::Int<K.tile.k>>;
-  using ClusterShape = cute::Shape<cute::Int<K.cluster.m>, cute::Int<K.cluster.n>, cute::_1>;
-  using LayoutA = typename LayoutsOf<O>::A;
-  using LayoutB = typename LayoutsOf<O>::B;
+// kRowRange, 128x256x32 cooperative, cluster 2x1 (the dy tile multicast to two row tiles of d[e]), with CUTLASS's
+// TMA epilogue in 128x32 subtiles. 32-row k-tiles fit 8 stages of 24 KB where 64-row ones fit 4 of 48 KB: 168 KB
+// of loads can run ahead of the MMAs instead of 144, a tile's last wgmma batch is half as long to wait for, and an
+// expert's last k-tile loads at most 31 rows past it instead of 63. Shared memory sets the mainloop's depth: an
+// epilogue that takes more of it costs stages. Both operands are M/N-major, so their 128-byte swizzle does not
+// depend on the k-tile; the forward's K-major operands would drop to a 64-byte one. The tiles, clusters, k-tile
+// heights and epilogues measured against this one are in docs/kernels.md.
+//
+// The wgrad's epilogue only converts (d = acc), with 4 store stages instead of the builder's 2 (fewer waits on the
+// previous subtile's store): LinearCombination's alpha = 1 would cost a multiply per element, 128 a thread per
+// tile while the tensor cores wait.
+template <class Element, class TileShape, bool kAccum>
+struct RowRangeEpilogue {
   using LayoutD = cutlass::layout::RowMajor;
-  using Epilogue = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+  using CollectiveOp = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
       TileShape, cute::Shape<cute::_128, cute::_32>, float, float, void, LayoutD, 8, Element, LayoutD, 8,
       cutlass::epilogue::fusion::Sm90EVT<
           cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
@@ -322,13 +323,42 @@ struct RowRangeConfig {
           cutlass::epilogue::fusion::Sm90AccFetch>,
       // StagesC (no source: unused), StagesD, values per thread per subtile, ReuseSmemC, DelayTmaStore
       cutlass::epilogue::Sm90TmaWarpSpecialized<4, 4, 16, false, true>>::CollectiveOp;
+};
+
+// The accumulating wgrad's: d[e] (fp32 main_grad) = acc + d[e], the source read through the same 128x32 subtiles
+// (an add, no alpha or beta multiplies), with the stages CUTLASS's builder picks for a 32-bit source and
+// destination: 4 loads whose buffers the 2 stores in flight reuse.
+template <class Element, class TileShape>
+struct RowRangeEpilogue<Element, TileShape, true> {
+  using LayoutD = cutlass::layout::RowMajor;
+  using CollectiveOp = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+      TileShape, cute::Shape<cute::_128, cute::_32>, float, float, float, LayoutD, 4, float, LayoutD, 4,
+      cutlass::epilogue::fusion::Sm90EVT<
+          cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, float, float,
+                                                 cutlass::FloatRoundStyle::round_to_nearest>,
+          cutlass::epilogue::fusion::Sm90AccFetch, cutlass::epilogue::fusion::Sm90SrcFetch<float>>,
+      cutlass::epilogue::Sm90TmaWarpSpecialized<4, 2, 16, true, false>>::CollectiveOp;
+};
+
+template <Dtype D, Op O, KernelConfig K>
+struct RowRangeConfig {
+  static_assert(O == Op::kWgrad || O == Op::kWgradAccum);
+  static_assert(K.mma == Mma::kCooperative, "RowRangeMainloop's k-loop is the cooperative one");
+  static constexpr bool kAccum = O == Op::kWgradAccum;
+  using Element = typename ElementOf<D>::type;
+  using ElementD = std::conditional_t<kAccum, float, Element>;
+  using TileShape = cute::Shape<cute::Int<K.tile.m>, cute::Int<K.tile.n>, cute::Int<K.tile.k>>;
+  using ClusterShape = cute::Shape<cute::Int<K.cluster.m>, cute::Int<K.cluster.n>, cute::_1>;
+  using LayoutA = typename LayoutsOf<O>::A;
+  using LayoutB = typename LayoutsOf<O>::B;
+  using Epilogue = typename RowRangeEpilogue<Element, TileShape, kAccum>::CollectiveOp;
   using Built = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
       TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, RowRangeMainloop<Built>,
-                                                      Epilogue, RowRangeSchedulerTag>;
+                                                      Epilogue, RowRangeSchedulerTag<kAccum>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
@@ -356,19 +386,42 @@ __device__ void scan_row_offsets(const CountT* counts, int64_t experts, int64_t 
 }
 
 // order_by_rows ranks up to kSortedExperts experts (one a thread of the listing block); past it they keep their
-// own order and the balance rests on the round walk alone.
+// own order (with kEmptyLast, the empty ones moved last) and the balance rests on the round walk alone.
 constexpr int kSortedExperts = kListThreads;
 constexpr int kCountedExperts = 256;
+
+// order: the experts with rows in their own order, then the empty ones (a stable partition); every thread of the
+// listing block takes part.
+inline __device__ void order_empty_last(const int64_t* offsets, int64_t experts, int32_t* order) {
+  using Scan = cub::BlockScan<int64_t, kListThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  const int64_t per_thread = (experts + kListThreads - 1) / kListThreads;
+  const int64_t e0 = min(threadIdx.x * per_thread, experts), e1 = min(e0 + per_thread, experts);
+  int64_t mine = 0;
+  for (int64_t e = e0; e < e1; ++e) mine += offsets[e + 1] > offsets[e];
+  int64_t with_rows = 0, all_with_rows = 0;
+  Scan(temp).ExclusiveSum(mine, with_rows, all_with_rows);
+  int64_t without_rows = all_with_rows + e0 - with_rows;
+  for (int64_t e = e0; e < e1; ++e) {
+    order[offsets[e + 1] > offsets[e] ? with_rows++ : without_rows++] = static_cast<int32_t>(e);
+  }
+}
 
 // order[i]: the expert with the i-th most rows, ties by index. The GEMM waits for it. Up to kCountedExperts, an
 // expert's place is the number of experts ahead of it (more rows, or as many and a lower index), its compares
 // split over up to a warp of threads and summed by shuffles; above, cub's stable radix sort, descending, over
 // the bits num_rows (< 2^31, the row-range rule) can set, which costs the same at any E. (One thread per expert
 // counting all the others grows with E^2.)
-inline __device__ void order_by_rows(const int64_t* offsets, int64_t experts, int64_t num_rows, int32_t* order) {
+// Ranked, the empty experts come last; kEmptyLast moves them last in the unranked order too.
+template <bool kEmptyLast>
+__device__ void order_by_rows(const int64_t* offsets, int64_t experts, int64_t num_rows, int32_t* order) {
   const int count = static_cast<int>(experts), e = threadIdx.x;
   if (experts > kSortedExperts) {
-    for (int64_t i = e; i < experts; i += kListThreads) order[i] = static_cast<int32_t>(i);
+    if constexpr (kEmptyLast) {
+      order_empty_last(offsets, experts, order);
+    } else {
+      for (int64_t i = e; i < experts; i += kListThreads) order[i] = static_cast<int32_t>(i);
+    }
   } else if (experts > kCountedExperts) {
     using Sort = cub::BlockRadixSort<uint32_t, kListThreads, 1, int32_t>;
     __shared__ typename Sort::TempStorage temp;
@@ -394,13 +447,13 @@ inline __device__ void order_by_rows(const int64_t* offsets, int64_t experts, in
   }
 }
 
-template <class CountT>
+template <class CountT, bool kEmptyLast>
 __global__ void __launch_bounds__(kListThreads) row_offsets(const CountT* counts, Problem p, int64_t* offsets,
                                                             int32_t* order) {
   wait_for_previous_kernels();               // launched as a programmatic dependent (launch_dependent)
   cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for the offsets
   scan_row_offsets<kListThreads>(counts, p.num_experts, p.num_rows, offsets);
-  order_by_rows(offsets, p.num_experts, p.num_rows, order);
+  order_by_rows<kEmptyLast>(offsets, p.num_experts, p.num_rows, order);
 }
 
 template <Dtype D, Op O, KernelConfig K>
@@ -424,8 +477,9 @@ struct Runner<D, O, K, Family::kRowRange> {
          static_cast<int>(p.num_experts)},
         {static_cast<const typename C::Element*>(p.a), stride_a, static_cast<const typename C::Element*>(p.b),
          stride_b},
-        {{}, nullptr, stride_d, static_cast<typename C::Element*>(p.d), stride_d},
+        {{}, nullptr, stride_d, static_cast<typename C::ElementD*>(p.d), stride_d},
         hw};
+    if constexpr (C::kAccum) args.epilogue.ptr_C = static_cast<const float*>(p.d);  // d[e] += acc: the source is d
     // The walk is RowRangeScheduler's own; AlongM only fixes the launch grid's shape (a 1-D row of clusters).
     args.scheduler.raster_order = decltype(args.scheduler.raster_order)::AlongM;
     args.scheduler.offsets = offsets;
@@ -444,11 +498,11 @@ struct Runner<D, O, K, Family::kRowRange> {
     auto* offsets = w.take<int64_t>((p.num_experts + 1) * sizeof(int64_t));
     auto* order = w.take<int32_t>(p.num_experts * sizeof(int32_t));
     if (p.counts_int32) {
-      launch_dependent(row_offsets<int32_t>, 1, kListThreads, stream, static_cast<const int32_t*>(p.counts), p,
-                       offsets, order);
+      launch_dependent(row_offsets<int32_t, C::kAccum>, 1, kListThreads, stream,
+                       static_cast<const int32_t*>(p.counts), p, offsets, order);
     } else {
-      launch_dependent(row_offsets<int64_t>, 1, kListThreads, stream, static_cast<const int64_t*>(p.counts), p,
-                       offsets, order);
+      launch_dependent(row_offsets<int64_t, C::kAccum>, 1, kListThreads, stream,
+                       static_cast<const int64_t*>(p.counts), p, offsets, order);
     }
     typename C::Gemm gemm;
     cutlass::Status status = gemm.initialize(arguments(p, offsets, order, sm_count), nullptr, stream);

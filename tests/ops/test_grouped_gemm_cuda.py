@@ -145,11 +145,15 @@ def test_16_bit_types_take_the_static_descriptor_kernels_by_default(dtype, monke
         assert re.search(r"wgrad: E=1 m=1088 n=64 .* -> pointer-array ", err)
 
 
+@pytest.mark.parametrize("tile", [None, "rows"], ids=["default", "rows"])
 @pytest.mark.parametrize("n", [33, 40])
 @pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n):
-    # n = 40 (with k = 72) takes the sm_90a kernels for bf16/fp16 on Hopper, n = 33 the portable ones.
+def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n, tile, monkeypatch):
+    # n = 40 (with k = 72) takes the sm_90a kernels for bf16/fp16 on Hopper, n = 33 the portable ones; on sm_90a
+    # the pointer-array kernel by default, the row-range kernel with MOE_CORE_GEMM_TILE=rows.
+    if tile:
+        monkeypatch.setenv("MOE_CORE_GEMM_TILE", tile)
     torch.manual_seed(2)
     counts = torch.tensor([5, 0, 130, 0, 1])
     t, k = int(counts.sum()), 72
@@ -162,6 +166,57 @@ def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n):
     empty = (counts == 0).cuda()
     assert torch.equal(main_grad[empty], start[empty]), "empty experts must leave main_grad untouched"
     torch.testing.assert_close(main_grad.double(), start.double() + ref, rtol=1e-4, atol=1e-4 * k**0.5 * 4)
+
+
+def assert_accum_matches_and_leaves_empty_experts_alone(counts: torch.Tensor, t: int, k: int, n: int,
+                                                        x: torch.Tensor | None = None, dy: torch.Tensor | None = None,
+                                                        unchecked: tuple[int, ...] = ()) -> None:
+    """main_grad += the bf16 wgrad of x [t, k] and dy [t, n] (random unless given) over `counts` (their sum may pass
+    t), against float64 element by element for every expert with rows but the `unchecked` ones; an expert left
+    without rows keeps its slice bit for bit: it starts as NaN, which any write, even of NaN + 0, would change
+    (the GPU's NaN is not torch's)."""
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16) if x is None else x
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) if dy is None else dy
+    rows = torch.diff(counts.cumsum(0).clamp(max=t), prepend=torch.zeros(1, dtype=counts.dtype))
+    empty = (rows == 0).cuda()
+    start = torch.randn(counts.numel(), k, n, device="cuda")
+    start[empty] = float("nan")
+    main_grad = start.clone()
+    poison_allocator()
+    torch.ops.moe_core.grouped_gemm_wgrad_accum_(main_grad, x, dy, counts.cuda(), False)
+    assert torch.equal(main_grad[empty].view(torch.int32), start[empty].view(torch.int32)), \
+        "an expert without rows must leave its main_grad untouched"
+    checked = ~empty
+    checked[list(unchecked)] = False
+    ref = start.double() + grouped_gemm_wgrad_ref(x.double(), dy.double(), rows)
+    torch.testing.assert_close(main_grad[checked].double(), ref[checked], rtol=1e-4, atol=1e-3)
+
+
+def test_wgrad_accum_on_row_ranges_reads_only_each_experts_rows(monkeypatch):
+    # The row-range accumulating wgrad (MOE_CORE_GEMM_TILE=rows; elsewhere the default kernels run): infinities in
+    # expert 2's rows, which expert 0's last k-tile loads and masks, stay out of main_grad[0]; expert 3's last
+    # k-tile runs past T; empty expert 1 (where expert 2 starts) and expert 4, whose rows the counts' sum past T
+    # clamps away, stay untouched; partial k-tiles on both sides of every 16-row step.
+    monkeypatch.setenv("MOE_CORE_GEMM_TILE", "rows")
+    x, dy = torch.randn(78, 136, device="cuda", dtype=torch.bfloat16), torch.randn(78, 40, device="cuda",
+                                                                                    dtype=torch.bfloat16)
+    x[5:75], dy[5:75] = float("inf"), float("inf")
+    assert_accum_matches_and_leaves_empty_experts_alone(torch.tensor([5, 0, 70, 3, 4]), 78, 136, 40, x, dy,
+                                                        unchecked=(2,))
+    counts = torch.tensor([1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 81, 127, 0, 5])
+    assert_accum_matches_and_leaves_empty_experts_alone(counts, int(counts.sum()), 128, 256)
+
+
+@pytest.mark.parametrize("num_experts", [200, 257, 1025, 1100])
+def test_wgrad_accum_on_row_ranges_walks_every_expert_and_stops_at_the_empty_ones(num_experts, monkeypatch):
+    # The row-range accumulating wgrad walks the experts by rows, most first, and a cluster's walk ends at its first
+    # empty expert: ranked by counting (to 256 experts) or sorting (to 1024), the empty ones come last; past 1024 the
+    # listing moves them last. Every expert with rows must still land in its own slice, every empty one untouched.
+    monkeypatch.setenv("MOE_CORE_GEMM_TILE", "rows")
+    gen = torch.Generator().manual_seed(num_experts)
+    counts = torch.randint(0, 3, (num_experts,), generator=gen) ** 4
+    counts[torch.randint(0, num_experts, (4,), generator=gen)] = torch.tensor([700, 300, 130, 64])
+    assert_accum_matches_and_leaves_empty_experts_alone(counts, int(counts.sum()), 64, 256)
 
 
 def test_gradient_accumulation_fusion_on_cuda():
@@ -452,6 +507,10 @@ def sanitizer_smoke() -> None:
             grouped_gemm(x, w, counts).backward(torch.randn(t, n, device="cuda", dtype=dtype))
             main_grad = torch.zeros(6, k, n, device="cuda")
             torch.ops.moe_core.grouped_gemm_wgrad_accum_(main_grad, x.detach(), x.new_ones(t, n), counts, False)
+        os.environ["MOE_CORE_GEMM_TILE"] = "rows"  # the row-range accumulating wgrad, where sm_90a runs
+        x = torch.randn(t, 64, device="cuda", dtype=torch.bfloat16)
+        torch.ops.moe_core.grouped_gemm_wgrad_accum_(torch.zeros(6, 64, 32, device="cuda"), x, x[:, :32], counts, False)
+        del os.environ["MOE_CORE_GEMM_TILE"]
         torch.ops.moe_core.grouped_gemm(torch.empty(0, 64, device="cuda", dtype=torch.bfloat16),
                                         torch.randn(6, 64, 32, device="cuda", dtype=torch.bfloat16),
                                         torch.zeros(6, dtype=torch.int64, device="cuda"), False)

@@ -120,7 +120,7 @@ WGRAD, ACCUM = "bf16 wgrad 128 65536 2048 1536 0 132", "bf16 wgrad_accum 128 655
                    "pointer-array 128x128x64 pingpong cluster 1x2" + ALONG_N, NARROW + ALONG_N]),
     ("256x128c21", ["pointer-array 256x128x64 cooperative cluster 2x1" + ALONG_M, WIDE + ALONG_M,
                     "pointer-array 256x128x64 cooperative cluster 2x1" + ALONG_N, WIDE + ALONG_N]),
-    ("rows", [ROW_TILE, ROW_TILE, ROW_RANGE, WIDE + ALONG_N]),
+    ("rows", [ROW_TILE, ROW_TILE, ROW_RANGE, ROW_RANGE]),  # the accumulating wgrad's row ranges: forced only
     ("unknown", [ROW_TILE, ROW_TILE, ROW_RANGE, WIDE + ALONG_N]),
 ])
 def test_forced_tiles(pick, tile, expected):
