@@ -1,6 +1,7 @@
 """Builds moe_core._C from csrc/: the C++ CPU kernels always, the CUDA kernels when torch has CUDA and nvcc exists.
 
-MOE_CORE_CUDA=1 forces the CUDA build (fails without nvcc), MOE_CORE_CUDA=0 skips it.
+MOE_CORE_CUDA=1 forces the CUDA build (fails without nvcc), MOE_CORE_CUDA=0 skips it. MOE_CORE_SM90_TUNING=1 also
+builds the sm_90a tuning kernels (those the heuristics never pick; MOE_CORE_GEMM_TILE forces them).
 CUTLASS headers come from the installed ``nvidia-cutlass`` wheel, or from ``CUTLASS_PATH``.
 Install with ``pip install --no-build-isolation -e .`` so the build uses the torch already installed.
 """
@@ -33,13 +34,19 @@ def _cutlass_include() -> list[str]:
     return [os.path.join(root, "include"), os.path.join(root, "tools", "util", "include")]
 
 
+def cuda_sources(tuning: bool) -> list[str]:
+    """csrc/cuda's translation units; the sm_90a tuning kernels (``*_tuning.cu``) only when ``tuning``."""
+    sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    return [s for s in sources if tuning or not s.endswith("_tuning.cu")]
+
+
 def _extension():
     cxx_flags = ["-O3"]  # torch.utils.cpp_extension picks the C++ standard torch was built with
     sources = sorted(glob.glob("csrc/*.cpp"))
     if not _want_cuda():
         return CppExtension("moe_core._C", sources, extra_compile_args={"cxx": cxx_flags + ["-fopenmp"]},
                             extra_link_args=["-fopenmp"])
-    cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
+    tuning = os.environ.get("MOE_CORE_SM90_TUNING") == "1"
     # MOE_CORE_CUDA_ARCHS="90a" (space-separated) builds fewer targets, e.g. for a quick build on one GPU.
     archs = os.environ.get("MOE_CORE_CUDA_ARCHS", "80 89 90a").split()
     nvcc_flags = [
@@ -55,8 +62,10 @@ def _extension():
         macros.append(("MOE_CORE_WITH_SM90", "1"))
         # CUTLASS's kernels then wait for and release programmatic dependents (PDL; see launch_dependent).
         macros.append(("CUTLASS_ENABLE_GDC_FOR_SM90", "1"))
+        if tuning:
+            macros.append(("MOE_CORE_SM90_TUNING", "1"))
     return CUDAExtension(
-        "moe_core._C", sources + cuda_sources,
+        "moe_core._C", sources + cuda_sources(tuning),
         include_dirs=[os.path.abspath("csrc")] + cutlass,
         define_macros=macros,
         extra_compile_args={"cxx": cxx_flags + ["-fopenmp"], "nvcc": nvcc_flags},

@@ -1,17 +1,20 @@
 """Benchmark moe_core's grouped GEMM against torch._grouped_mm, a per-expert matmul loop and a dense matmul.
 
-Passes: forward (y = x_e W_e), dgrad (dx = dy_e W_e^T), wgrad (dW_e = x_e^T dy_e) and forward+backward (all
-three). Each timing is the median of per-iteration CUDA-event times, warm-up and measurement both measured
-in milliseconds (so clocks settle whatever the problem size), repeated in rounds; within a round each pass is
-timed for every provider in turn (timing_plan), so drift and the GPU's clock, which follows its recent load, hit
-the compared kernels alike; the spread between rounds is reported as the noise floor. Inputs rotate
-over enough copies to exceed L2. TFLOP/s count 2 T K N per pass (6 T K N for forward+backward). The dense
-provider multiplies the same total rows by one weight: the ceiling a grouped kernel can hope for.
+Passes: forward (y = x_e W_e), dgrad (dx = dy_e W_e^T), wgrad (dW_e = x_e^T dy_e), wgrad_accum (main_grad_e +=
+x_e^T dy_e into an fp32 main_grad, the wgrad under gradient-accumulation fusion; the other providers compute the
+bf16 wgrad and add it into main_grad) and forward+backward (fwd, dgrad and wgrad). Each timing is the median of
+per-iteration CUDA-event times, warm-up and measurement both measured in milliseconds (so clocks settle whatever
+the problem size), repeated in rounds; within a round each pass is timed for every provider in turn
+(timing_plan), so drift and the GPU's clock, which follows its recent load, hit the compared kernels alike; the
+spread between rounds is reported as the noise floor. Inputs rotate over enough copies to exceed L2. TFLOP/s
+count 2 T K N per pass (6 T K N for forward+backward). The dense provider multiplies the same total rows by one
+weight: the ceiling a grouped kernel can hope for.
 
 Usage: python3 tools/bench_grouped_gemm.py [--quick] [--sweep] [--tile TILE] [--batched] [--json out.json]
 (--sweep instead times moe_core alone under every sm_90a schedule forced through MOE_CORE_GEMM_TILE,
 MOE_CORE_GEMM_RASTER and MOE_CORE_GEMM_SWIZZLE, and prints the best per shape and pass: the heuristics'
-tuning data. --tile also times moe_core with MOE_CORE_GEMM_TILE=TILE forced, in the same rounds. --batched also
+tuning data; the tuning kernels run only in a build with MOE_CORE_SM90_TUNING=1, and the sweep skips them
+elsewhere. --tile also times moe_core with MOE_CORE_GEMM_TILE=TILE forced, in the same rounds. --batched also
 times cuBLAS's strided-batched GEMM (torch.bmm over [E, T / E, ...] views) on the shapes with equal counts, in
 the same rounds: what a kernel given every group's size on the host reaches, which moe_core cannot be without a
 host sync.)
@@ -33,7 +36,8 @@ from _bench_common import fmt, iteration_ms, ratio
 
 import moe_core.ops  # noqa: F401  (registers torch.ops.moe_core.*)
 
-PASSES = ("fwd", "dgrad", "wgrad", "fwd+bwd")
+SINGLE = ("fwd", "dgrad", "wgrad", "wgrad_accum")  # one op each
+PASSES = SINGLE + ("fwd+bwd",)  # fwd+bwd: fwd, dgrad and wgrad
 PROVIDERS = ("moe_core", "torch._grouped_mm", "loop", "dense")
 BATCHED = "cublas_batched"  # --batched: equal counts only
 ROTATE_BYTES = 256 << 20  # about 5x an H100's L2
@@ -126,13 +130,15 @@ def timing_plan(configs: list, rounds: int, passes: tuple) -> list[tuple[str, in
     return plan
 
 
-def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int]):
-    """{pass: fn(x, w, dy)} for one provider; w is [E, K, N] bf16."""
+def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int], main_grad: torch.Tensor):
+    """{pass: fn(x, w, dy)} for one provider; w is [E, K, N] bf16, main_grad [E, K, N] fp32 (wgrad_accum adds
+    into it; the dense provider into its first expert's slice)."""
     ops = torch.ops.moe_core
     if provider == "moe_core":
         passes = {"fwd": lambda x, w, dy: ops.grouped_gemm(x, w, counts_gpu, False),
                   "dgrad": lambda x, w, dy: ops.grouped_gemm(dy, w, counts_gpu, True),
-                  "wgrad": lambda x, w, dy: ops.grouped_gemm_wgrad(x, dy, counts_gpu, False)}
+                  "wgrad": lambda x, w, dy: ops.grouped_gemm_wgrad(x, dy, counts_gpu, False),
+                  "wgrad_accum": lambda x, w, dy: ops.grouped_gemm_wgrad_accum_(main_grad, x, dy, counts_gpu, False)}
     elif provider == "torch._grouped_mm":
         offs = torch.cumsum(counts_gpu, 0, dtype=torch.int32)
         passes = {"fwd": lambda x, w, dy: torch._grouped_mm(x, w, offs=offs),
@@ -157,14 +163,19 @@ def pass_fns(provider: str, counts_gpu: torch.Tensor, counts_list: list[int]):
                   "dgrad": lambda x, w, dy: dy @ w[0].t(),
                   "wgrad": lambda x, w, dy: x.t() @ dy}
 
+    if "wgrad_accum" not in passes:
+        wgrad, into = passes["wgrad"], main_grad[0] if provider == "dense" else main_grad
+        passes["wgrad_accum"] = lambda x, w, dy: into.add_(wgrad(x, w, dy))
+
     def both(x, w, dy):
-        for fn in passes.values():
-            fn(x, w, dy)
+        for name in SINGLE[:3]:
+            passes[name](x, w, dy)
 
     return {**passes, "fwd+bwd": both}
 
 
 SM90_TILES = ("128x256", "128x128", "128x256c21", "128x128pp", "256x128c21")
+TUNING_TILES = ("128x128pp", "256x128c21")  # built only with MOE_CORE_SM90_TUNING=1 (setup.py)
 # The row-tile kernel walks its own work list, so the scheduler walk and swizzle do not apply to it.
 SWEEP = [dict(MOE_CORE_GEMM_TILE=tile, MOE_CORE_GEMM_RASTER=raster, MOE_CORE_GEMM_SWIZZLE=str(swizzle))
          for tile in SM90_TILES for raster in "mn" for swizzle in (1, 2, 4)] + [dict(MOE_CORE_GEMM_TILE="rows")]
@@ -174,7 +185,25 @@ def schedule_name(env: dict | None) -> str:
     return "/".join(env.values()) if env else "default"
 
 
-def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = False,
+def tuning_left_out() -> bool:
+    """Whether this build leaves out the sm_90a tuning kernels: a small call forcing one raises then (on Hopper;
+    elsewhere the portable kernel runs whatever is forced)."""
+    x, w = torch.zeros(256, 64, device="cuda", dtype=torch.bfloat16), torch.zeros(2, 64, 64, device="cuda",
+                                                                                    dtype=torch.bfloat16)
+    os.environ["MOE_CORE_GEMM_TILE"] = TUNING_TILES[0]
+    try:
+        torch.ops.moe_core.grouped_gemm(x, w, torch.tensor([128, 128], device="cuda"), False)
+        torch.cuda.synchronize()
+    except RuntimeError as err:
+        if "MOE_CORE_SM90_TUNING" not in str(err):
+            raise
+        return True
+    finally:
+        os.environ.pop("MOE_CORE_GEMM_TILE")
+    return False
+
+
+def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: list[dict] | None = None,
                 tile: str | None = None, batched: bool = False) -> dict:
     k, n, e, t = spec["k"], spec["n"], spec["e"], spec["t"]
     counts = make_counts(e, t, spec["skew"], gen)
@@ -184,16 +213,17 @@ def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = 
                torch.randn(e, k, n, device="cuda", dtype=torch.bfloat16) / math.sqrt(k),
                torch.randn(t, n, device="cuda", dtype=torch.bfloat16)) for _ in range(copies)]
     counts_gpu = counts.cuda()
+    main_grad = torch.zeros(e, k, n, device="cuda", dtype=torch.float32)
     # (provider, forced sm_90a schedule or None): the sweep times moe_core once per schedule.
-    configs = [("moe_core", None)] + [("moe_core", env) for env in SWEEP] if sweep else [(p, None) for p in PROVIDERS]
+    configs = [("moe_core", None)] + [("moe_core", env) for env in sweep] if sweep else [(p, None) for p in PROVIDERS]
     if tile:
         configs.append(("moe_core", dict(MOE_CORE_GEMM_TILE=tile)))
     if batched and len(set(counts.tolist())) == 1:
         configs.append((BATCHED, None))
-    passes = PASSES[:3] if sweep else PASSES
+    passes = SINGLE if sweep else PASSES
     rounds: dict = {}  # (provider, schedule, pass) -> [median of each round]
     failed = set()
-    fns = [pass_fns(provider, counts_gpu, counts.tolist()) for provider, _ in configs]
+    fns = [pass_fns(provider, counts_gpu, counts.tolist(), main_grad) for provider, _ in configs]
     for name, i in timing_plan(configs, timing.rounds, passes):
         provider, env = configs[i]
         key = (provider, schedule_name(env), name)
@@ -217,25 +247,25 @@ def bench_shape(spec: dict, timing: Timing, gen: torch.Generator, sweep: bool = 
             result["round_spread"].setdefault(provider, {})[name] = max(medians) / min(medians) - 1
         else:
             result.setdefault("schedule_tflops", {}).setdefault(schedule, {})[name] = tflops
-    del inputs
+    del inputs, main_grad, fns
     torch.cuda.empty_cache()
     return result
 
 
 def print_sweep(results: list[dict]) -> None:
     """Per shape and pass: the default schedule, the best forced one and the top three."""
-    print(f"{'shape':40s} {'pass':6s} {'default':>8s} {'best':>8s}  top three (tile/raster/swizzle TFLOP/s)")
+    print(f"{'shape':40s} {'pass':11s} {'default':>8s} {'best':>8s}  top three (tile/raster/swizzle TFLOP/s)")
     for r in results:
-        for name in PASSES[:3]:
+        for name in SINGLE:
             ranked = sorted(((tf[name], sched) for sched, tf in r["schedule_tflops"].items() if name in tf),
                             reverse=True)
             top = ", ".join(f"{sched} {tf:.0f}" for tf, sched in ranked[:3])
-            print(f"{r['name']:40s} {name:6s} {r['tflops']['moe_core'][name]:8.1f} {ranked[0][0]:8.1f}  {top}")
+            print(f"{r['name']:40s} {name:11s} {r['tflops']['moe_core'][name]:8.1f} {ranked[0][0]:8.1f}  {top}")
 
 
 def print_forced_tile(results: list[dict], tile: str) -> None:
     """moe_core with MOE_CORE_GEMM_TILE=tile forced, against its default schedule and torch._grouped_mm."""
-    print(f"\nforced tile {tile}: {'shape':40s} {'pass':8s} {'TFLOP/s':>8s} {'vs default':>10s} "
+    print(f"\nforced tile {tile}: {'shape':40s} {'pass':11s} {'TFLOP/s':>8s} {'vs default':>10s} "
           f"{'vs _grouped_mm':>14s}")
     geo: dict = {}
     for r in results:
@@ -243,7 +273,7 @@ def print_forced_tile(results: list[dict], tile: str) -> None:
             vs_default = ratio(tf, r["tflops"]["moe_core"].get(name))
             vs_gmm = ratio(tf, r["tflops"].get("torch._grouped_mm", {}).get(name))
             geo.setdefault(name, []).append(vs_gmm)
-            print(f"{'':13s} {r['name']:40s} {name:8s} {tf:8.1f} {fmt(vs_default, '10.2f')} {fmt(vs_gmm, '14.2f')}")
+            print(f"{'':13s} {r['name']:40s} {name:11s} {tf:8.1f} {fmt(vs_default, '10.2f')} {fmt(vs_gmm, '14.2f')}")
     print(f"forced tile {tile}, geomean vs torch._grouped_mm: " + ", ".join(
         f"{k} {math.exp(sum(map(math.log, v)) / len(v)):.2f}x" for k, v in geo.items() if all(v)))
 
@@ -255,13 +285,13 @@ def batched_ceiling(results: list[dict]) -> dict:
     ran = [r for r in results if BATCHED in r["tflops"]]
     if not ran:
         return {}
-    print(f"\n{'shape':40s} {'pass':8s} {BATCHED:>15s} {'vs _grouped_mm':>14s} {'moe_core vs it':>14s}")
+    print(f"\n{'shape':40s} {'pass':11s} {BATCHED:>15s} {'vs _grouped_mm':>14s} {'moe_core vs it':>14s}")
     logs: dict = {}
     for r in ran:
         for name, tf in r["tflops"][BATCHED].items():
             vs_gmm, mine = ratio(tf, r["tflops"]["torch._grouped_mm"][name]), ratio(r["tflops"]["moe_core"][name], tf)
             logs.setdefault(name, []).append((math.log(vs_gmm), math.log(mine)))
-            print(f"{r['name']:40s} {name:8s} {tf:15.1f} {vs_gmm:14.3f} {mine:14.3f}")
+            print(f"{r['name']:40s} {name:11s} {tf:15.1f} {vs_gmm:14.3f} {mine:14.3f}")
     out = {name: dict(vs_grouped_mm=math.exp(statistics.fmean(a for a, _ in v)),
                       moe_core_vs_batched=math.exp(statistics.fmean(b for _, b in v)), shapes=len(v))
            for name, v in logs.items()}
@@ -294,7 +324,7 @@ def empty_call_latency_us() -> dict:
     calls_per_graph = 20
     out: dict = {}
     for provider in ("moe_core", "torch._grouped_mm"):
-        fns = pass_fns(provider, counts, [0] * 128)
+        fns = pass_fns(provider, counts, [0] * 128, torch.zeros(128, 2048, 1536, device="cuda"))
         for name in ("fwd", "fwd+bwd"):
             fn = fns[name]
             try:
@@ -317,7 +347,7 @@ def empty_call_latency_us() -> dict:
 
 
 def print_table(results: list[dict]) -> dict:
-    header = f"{'shape':40s} {'pass':8s} " + " ".join(f"{p:>17s}" for p in PROVIDERS) + "  vs_gmm  vs_dense"
+    header = f"{'shape':40s} {'pass':11s} " + " ".join(f"{p:>17s}" for p in PROVIDERS) + "  vs_gmm  vs_dense"
     print(header)
     print("-" * len(header))
     geo = {}
@@ -327,7 +357,7 @@ def print_table(results: list[dict]) -> dict:
             vs_gmm, vs_dense = ratio(tf["moe_core"], tf["torch._grouped_mm"]), ratio(tf["moe_core"], tf["dense"])
             if vs_gmm:
                 geo.setdefault(name, []).append(vs_gmm)
-            print(f"{r['name']:40s} {name:8s} " + " ".join(f"{fmt(tf[p]):>17s}" for p in PROVIDERS)
+            print(f"{r['name']:40s} {name:11s} " + " ".join(f"{fmt(tf[p]):>17s}" for p in PROVIDERS)
                   + f"  {fmt(vs_gmm, '6.2f')}  {fmt(vs_dense, '6.2f')}")
     geomeans = {name: math.exp(sum(map(math.log, v)) / len(v)) for name, v in geo.items()}
     print("geomean moe_core / torch._grouped_mm: " + ", ".join(f"{k} {v:.2f}x" for k, v in geomeans.items()))
@@ -367,11 +397,21 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_grouped_gemm: needs a CUDA device")
     timing = QUICK if args.quick or args.sweep else FULL
+    left_out = (args.sweep or args.tile in TUNING_TILES) and tuning_left_out()
+    if args.tile in TUNING_TILES and left_out and not args.sweep:
+        sys.exit(f"bench_grouped_gemm: --tile {args.tile} is a tuning kernel this build leaves out; rebuild with "
+                 "MOE_CORE_SM90_TUNING=1")
+    sweep = None
+    if args.sweep:
+        sweep = [env for env in SWEEP if not (left_out and env["MOE_CORE_GEMM_TILE"] in TUNING_TILES)]
+        if left_out:
+            print(f"sweep: skipping the tuning kernels {', '.join(TUNING_TILES)}, which this build leaves out "
+                  "(rebuild with MOE_CORE_SM90_TUNING=1 to time them)", file=sys.stderr)
     torch.manual_seed(0)  # the Dirichlet draws
     gen = torch.Generator().manual_seed(0)
     results = []
     for spec in shapes(args.quick):
-        results.append(bench_shape(spec, timing, gen, args.sweep, None if args.sweep else args.tile,
+        results.append(bench_shape(spec, timing, gen, sweep, None if args.sweep else args.tile,
                                    args.batched and not args.sweep))
         print(f"done {spec['name']}", file=sys.stderr, flush=True)
     if args.sweep:

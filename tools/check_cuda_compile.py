@@ -2,7 +2,8 @@
 
 The project's machines have a CPU build of torch, so `pip install -e .` never compiles csrc/cuda there and a
 C++ or template error in it would only show on a GPU machine. This script compiles each csrc/cuda source to a
-throwaway object file with the command a CUDA build of setup.py would run for MOE_CORE_CUDA_ARCHS=90a: it asks
+throwaway object file with the command a CUDA build of setup.py would run for MOE_CORE_CUDA_ARCHS=90a and
+MOE_CORE_SM90_TUNING=1 (so the tuning kernels are checked too): it asks
 setup.py's _extension() and torch's BuildExtension for the compile commands (recording them instead of running
 them), then runs those commands in parallel and reports per-file times. It needs nvcc on the PATH and the
 CUTLASS headers (the nvidia-cutlass wheel or CUTLASS_PATH, as setup.py finds them); no GPU and no CUDA torch.
@@ -12,9 +13,10 @@ CUTLASS headers (the nvidia-cutlass wheel or CUTLASS_PATH, as setup.py finds the
 
 With --changed-since, the files changed between the git revision BASE and the work tree pick the sources:
 nothing under csrc/cuda, setup.py or this tool changed: none (exit 0); a header that translation units of
-several kernel families include: all of them; otherwise one representative per kernel family that a changed
-file reaches (a family: the Hopper units of one pass and tile kind, or one portable unit), plus every changed
-unit itself. setup.py or this tool changed: one representative per family.
+several kernels include (a kernel: the Hopper units of one kernel family, rowtile, rowrange or ptrarray, or one
+other unit): all of them; otherwise one representative per family that a changed file reaches (a family: the
+Hopper units of one kernel family and pass, or one other unit), plus every changed unit itself. setup.py or this
+tool changed: one representative per family.
 
 Exits non-zero, printing the compiler's output, if any file fails to compile.
 """
@@ -81,6 +83,7 @@ def compile_commands(build_dir: str) -> dict[str, list[str]]:
     cpp_extension.CUDA_HOME = _cuda_home(nvcc)
     os.environ["MOE_CORE_CUDA"] = "1"
     os.environ["MOE_CORE_CUDA_ARCHS"] = "90a"  # the Hopper kernels compile only for sm_90a
+    os.environ["MOE_CORE_SM90_TUNING"] = "1"  # and the tuning kernels with them
     setup_py = _load_setup_py()
     cutlass = setup_py._cutlass_include()
     if not cutlass or not os.path.isfile(os.path.join(cutlass[0], "cutlass", "cutlass.h")):
@@ -111,18 +114,25 @@ def compile_commands(build_dir: str) -> dict[str, list[str]]:
     return commands
 
 
-# A Hopper unit's family: its pass and tile kind (rows, or a CUTLASS tile), whatever its dtype, layout and tile.
-_FAMILY = re.compile(r"grouped_gemm_sm90_(?:bf16|fp16)_(fwd|wgrad_accum|wgrad)_(?:kn_|nk_)?(rows|.*)\.cu$")
+# A Hopper unit's kernel family and pass, whatever its dtype, layout, tile and cluster (the file names of
+# tools/gen_sm90_instances.py).
+_FAMILY = re.compile(r"grouped_gemm_sm90_(rowtile|rowrange|ptrarray)_(fwd|wgrad_accum|wgrad)_")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 _BUILD_FILES = ("setup.py", "tools/check_cuda_compile.py")
 
 
 def family(source: str) -> str:
-    """The kernel family of a csrc/cuda translation unit (see the module docstring)."""
+    """The family of a csrc/cuda translation unit (see the module docstring)."""
     match = _FAMILY.search(os.path.basename(source))
     if match is None:
         return os.path.basename(source)
-    return f"sm90_{match.group(1)}_{'rows' if match.group(2) == 'rows' else 'tile'}"
+    return f"sm90_{match.group(1)}_{match.group(2)}"
+
+
+def kernel(source: str) -> str:
+    """The kernel of a csrc/cuda translation unit: its Hopper kernel family, or the unit itself."""
+    match = _FAMILY.search(os.path.basename(source))
+    return f"sm90_{match.group(1)}" if match else os.path.basename(source)
 
 
 def _headers(path: str, seen: set[str]) -> set[str]:
@@ -150,9 +160,9 @@ def changed_sources(sources: list[str], changed: set[str]) -> list[str]:
         reached = [unit for unit in units if _headers(unit, set()) & changed]
         if reached:
             picked.add(reached[0])
-    reached_families = {family(s) for s in sources if _headers(s, set()) & changed}
-    if len(reached_families) > 1:
-        return sorted(sources)  # a header shared by several families: everything
+    reached_kernels = {kernel(s) for s in sources if _headers(s, set()) & changed}
+    if len(reached_kernels) > 1:
+        return sorted(sources)  # a header shared by several kernels: everything
     return sorted(picked)
 
 

@@ -101,8 +101,22 @@ def test_groups_spanning_many_tiles(dtype, trans_weight, portable, monkeypatch):
     check_against_float64(counts, 264, 200, dtype, trans_weight)
 
 
+SM90_TILES = ["128x256", "128x128", "128x256c21", "128x128pp", "256x128c21", "rows"]
+TUNING_TILES = ("128x128pp", "256x128c21")  # built only with MOE_CORE_SM90_TUNING=1 (setup.py)
+
+
+def forced(tile: str, run) -> None:
+    """run() under MOE_CORE_GEMM_TILE=tile, skipping (after checking the error) a tuning kernel the build left out."""
+    try:
+        run()
+    except RuntimeError as err:
+        if tile not in TUNING_TILES or "rebuild with MOE_CORE_SM90_TUNING=1" not in str(err):
+            raise
+        pytest.skip(f"{tile} is a tuning kernel this build leaves out")
+
+
 @pytest.mark.parametrize("raster,swizzle", [("m", "1"), ("n", "4")])
-@pytest.mark.parametrize("tile", ["128x256", "128x128", "128x256c21", "128x128pp", "256x128c21", "rows"])
+@pytest.mark.parametrize("tile", SM90_TILES)
 @pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
 def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight, monkeypatch):
     # The heuristics pick one schedule per problem; MOE_CORE_GEMM_TILE/RASTER/SWIZZLE force each tile and
@@ -112,7 +126,7 @@ def test_every_sm90_schedule_matches_float64(tile, raster, swizzle, trans_weight
     monkeypatch.setenv("MOE_CORE_GEMM_SWIZZLE", swizzle)
     torch.manual_seed(7)
     counts = torch.tensor([0, 700, 5, 0, 300, 1, 0, 130])
-    check_against_float64(counts, 520, 384, torch.bfloat16, trans_weight)
+    forced(tile, lambda: check_against_float64(counts, 520, 384, torch.bfloat16, trans_weight))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
@@ -126,17 +140,20 @@ def test_16_bit_types_take_the_static_descriptor_kernels_by_default(dtype, monke
     check_against_float64(torch.tensor([16384]), 1088, 64, dtype, False)
     err = capfd.readouterr().err
     if torch.cuda.get_device_capability() == (9, 0) and "built without sm_90a" not in err:
-        assert "forward (weight [E, K, N]): E=2 m=2048 n=8192 k=64 -> tile 128x256x64 cooperative row tiles" in err
-        assert re.search(r"wgrad: E=2 m=64 n=8192 .* -> tile 128x256x32 cooperative cluster 2x1 row ranges", err)
-        wgrad = re.search(r"wgrad: E=1 m=1088 n=64 .* -> tile ([^,]*),", err)
-        assert wgrad and "row ranges" not in wgrad.group(1)
+        assert re.search(r"forward \(weight \[E, K, N\]\): E=2 m=2048 n=8192 k=64 -> row-tile 128x256x64 ", err)
+        assert re.search(r"wgrad: E=2 m=64 n=8192 .* -> row-range 128x256x32 cooperative cluster 2x1", err)
+        assert re.search(r"wgrad: E=1 m=1088 n=64 .* -> pointer-array ", err)
 
 
+@pytest.mark.parametrize("tile", [None, "rows"], ids=["default", "rows"])
 @pytest.mark.parametrize("n", [33, 40])
 @pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n):
-    # n = 40 (with k = 72) takes the sm_90a kernels for bf16/fp16 on Hopper, n = 33 the portable ones.
+def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n, tile, monkeypatch):
+    # n = 40 (with k = 72) takes the sm_90a kernels for bf16/fp16 on Hopper, n = 33 the portable ones; on sm_90a
+    # the pointer-array kernel by default, the row-range kernel with MOE_CORE_GEMM_TILE=rows.
+    if tile:
+        monkeypatch.setenv("MOE_CORE_GEMM_TILE", tile)
     torch.manual_seed(2)
     counts = torch.tensor([5, 0, 130, 0, 1])
     t, k = int(counts.sum()), 72
@@ -149,6 +166,57 @@ def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n):
     empty = (counts == 0).cuda()
     assert torch.equal(main_grad[empty], start[empty]), "empty experts must leave main_grad untouched"
     torch.testing.assert_close(main_grad.double(), start.double() + ref, rtol=1e-4, atol=1e-4 * k**0.5 * 4)
+
+
+def assert_accum_matches_and_leaves_empty_experts_alone(counts: torch.Tensor, t: int, k: int, n: int,
+                                                        x: torch.Tensor | None = None, dy: torch.Tensor | None = None,
+                                                        unchecked: tuple[int, ...] = ()) -> None:
+    """main_grad += the bf16 wgrad of x [t, k] and dy [t, n] (random unless given) over `counts` (their sum may pass
+    t), against float64 element by element for every expert with rows but the `unchecked` ones; an expert left
+    without rows keeps its slice bit for bit: it starts as NaN, which any write, even of NaN + 0, would change
+    (the GPU's NaN is not torch's)."""
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16) if x is None else x
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16) if dy is None else dy
+    rows = torch.diff(counts.cumsum(0).clamp(max=t), prepend=torch.zeros(1, dtype=counts.dtype))
+    empty = (rows == 0).cuda()
+    start = torch.randn(counts.numel(), k, n, device="cuda")
+    start[empty] = float("nan")
+    main_grad = start.clone()
+    poison_allocator()
+    torch.ops.moe_core.grouped_gemm_wgrad_accum_(main_grad, x, dy, counts.cuda(), False)
+    assert torch.equal(main_grad[empty].view(torch.int32), start[empty].view(torch.int32)), \
+        "an expert without rows must leave its main_grad untouched"
+    checked = ~empty
+    checked[list(unchecked)] = False
+    ref = start.double() + grouped_gemm_wgrad_ref(x.double(), dy.double(), rows)
+    torch.testing.assert_close(main_grad[checked].double(), ref[checked], rtol=1e-4, atol=1e-3)
+
+
+def test_wgrad_accum_on_row_ranges_reads_only_each_experts_rows(monkeypatch):
+    # The row-range accumulating wgrad (MOE_CORE_GEMM_TILE=rows; elsewhere the default kernels run): infinities in
+    # expert 2's rows, which expert 0's last k-tile loads and masks, stay out of main_grad[0]; expert 3's last
+    # k-tile runs past T; empty expert 1 (where expert 2 starts) and expert 4, whose rows the counts' sum past T
+    # clamps away, stay untouched; partial k-tiles on both sides of every 16-row step.
+    monkeypatch.setenv("MOE_CORE_GEMM_TILE", "rows")
+    x, dy = torch.randn(78, 136, device="cuda", dtype=torch.bfloat16), torch.randn(78, 40, device="cuda",
+                                                                                    dtype=torch.bfloat16)
+    x[5:75], dy[5:75] = float("inf"), float("inf")
+    assert_accum_matches_and_leaves_empty_experts_alone(torch.tensor([5, 0, 70, 3, 4]), 78, 136, 40, x, dy,
+                                                        unchecked=(2,))
+    counts = torch.tensor([1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 80, 81, 127, 0, 5])
+    assert_accum_matches_and_leaves_empty_experts_alone(counts, int(counts.sum()), 128, 256)
+
+
+@pytest.mark.parametrize("num_experts", [200, 257, 1025, 1100])
+def test_wgrad_accum_on_row_ranges_walks_every_expert_and_stops_at_the_empty_ones(num_experts, monkeypatch):
+    # The row-range accumulating wgrad walks the experts by rows, most first, and a cluster's walk ends at its first
+    # empty expert: ranked by counting (to 256 experts) or sorting (to 1024), the empty ones come last; past 1024 the
+    # listing moves them last. Every expert with rows must still land in its own slice, every empty one untouched.
+    monkeypatch.setenv("MOE_CORE_GEMM_TILE", "rows")
+    gen = torch.Generator().manual_seed(num_experts)
+    counts = torch.randint(0, 3, (num_experts,), generator=gen) ** 4
+    counts[torch.randint(0, num_experts, (4,), generator=gen)] = torch.tensor([700, 300, 130, 64])
+    assert_accum_matches_and_leaves_empty_experts_alone(counts, int(counts.sum()), 64, 256)
 
 
 def test_gradient_accumulation_fusion_on_cuda():
@@ -439,6 +507,10 @@ def sanitizer_smoke() -> None:
             grouped_gemm(x, w, counts).backward(torch.randn(t, n, device="cuda", dtype=dtype))
             main_grad = torch.zeros(6, k, n, device="cuda")
             torch.ops.moe_core.grouped_gemm_wgrad_accum_(main_grad, x.detach(), x.new_ones(t, n), counts, False)
+        os.environ["MOE_CORE_GEMM_TILE"] = "rows"  # the row-range accumulating wgrad, where sm_90a runs
+        x = torch.randn(t, 64, device="cuda", dtype=torch.bfloat16)
+        torch.ops.moe_core.grouped_gemm_wgrad_accum_(torch.zeros(6, 64, 32, device="cuda"), x, x[:, :32], counts, False)
+        del os.environ["MOE_CORE_GEMM_TILE"]
         torch.ops.moe_core.grouped_gemm(torch.empty(0, 64, device="cuda", dtype=torch.bfloat16),
                                         torch.randn(6, 64, 32, device="cuda", dtype=torch.bfloat16),
                                         torch.zeros(6, dtype=torch.int64, device="cuda"), False)

@@ -55,12 +55,36 @@ def test_batched_provider_matches_the_per_expert_loop_and_refuses_unequal_counts
     x, dy = torch.randn(e * rows, k, dtype=torch.float64), torch.randn(e * rows, n, dtype=torch.float64)
     w = torch.randn(e, k, n, dtype=torch.float64)
     counts = [rows] * e
-    batched, loop = bench.pass_fns(bench.BATCHED, None, counts), bench.pass_fns("loop", None, counts)
+    grads = [torch.ones(e, k, n, dtype=torch.float64) for _ in range(2)]
+    batched = bench.pass_fns(bench.BATCHED, None, counts, grads[0])
+    loop = bench.pass_fns("loop", None, counts, grads[1])
     torch.testing.assert_close(batched["fwd"](x, w, dy).reshape(e * rows, n), loop["fwd"](x, w, dy))
     torch.testing.assert_close(batched["dgrad"](x, w, dy).reshape(e * rows, k), loop["dgrad"](x, w, dy))
     torch.testing.assert_close(batched["wgrad"](x, w, dy), loop["wgrad"](x, w, dy))
+    batched["wgrad_accum"](x, w, dy)
+    loop["wgrad_accum"](x, w, dy)
+    torch.testing.assert_close(grads[0], grads[1])
     with pytest.raises(ValueError, match="equal counts"):
-        bench.pass_fns(bench.BATCHED, None, [4, 3, 5])
+        bench.pass_fns(bench.BATCHED, None, [4, 3, 5], grads[0])
+
+
+def test_wgrad_accum_adds_each_experts_wgrad_into_main_grad_once():
+    # moe_core's accumulating op (its CPU kernel here) against the loop's wgrad plus an add, from the same start;
+    # the dense provider adds its one [K, N] product into expert 0's slice. fwd+bwd leaves main_grad alone.
+    counts, k, n = [3, 0, 5], 4, 6
+    x, dy = torch.randn(sum(counts), k), torch.randn(sum(counts), n)
+    start = torch.randn(len(counts), k, n)
+    grads = {p: start.clone() for p in ("moe_core", "loop", "dense")}
+    fns = {p: bench.pass_fns(p, torch.tensor(counts), counts, grads[p]) for p in grads}
+    for f in fns.values():
+        f["wgrad_accum"](x, None, dy)
+        f["fwd+bwd"](x, torch.randn(len(counts), k, n), dy)
+    wgrad = torch.stack([xe.t() @ de for xe, de in zip(x.split(counts), dy.split(counts), strict=True)])
+    torch.testing.assert_close(grads["loop"], start + wgrad)
+    torch.testing.assert_close(grads["moe_core"], start + wgrad)
+    assert torch.equal(grads["moe_core"][1], start[1])  # an empty expert's slice untouched
+    torch.testing.assert_close(grads["dense"][0], start[0] + x.t() @ dy)
+    assert torch.equal(grads["dense"][1:], start[1:])
 
 
 def test_batched_ceiling_takes_geomeans_over_the_shapes_it_ran():

@@ -30,17 +30,21 @@ def _at_root(monkeypatch):
 
 
 def test_one_changed_unit_compiles_alone(tool, sources):
-    unit = next(s for s in sources if tool.family(s) == "sm90_wgrad_tile")
+    unit = next(s for s in sources if tool.family(s) == "sm90_ptrarray_wgrad")
     assert tool.changed_sources(sources, {unit}) == [unit]
 
 
 def test_a_header_shared_by_several_families_compiles_everything(tool, sources):
-    assert tool.changed_sources(sources, {"csrc/cuda/grouped_gemm_sm90.cuh"}) == sorted(sources)
+    assert tool.changed_sources(sources, {"csrc/cuda/grouped_gemm_sm90_common.cuh"}) == sorted(sources)
 
 
-def test_a_family_header_compiles_one_unit_of_that_family(tool, sources):
-    picked = tool.changed_sources(sources, {"csrc/cuda/grouped_gemm_sm90_wgrad_rows.cuh"})
-    assert len(picked) == 1 and tool.family(picked[0]) == "sm90_wgrad_rows"
+def test_a_kernel_family_header_compiles_one_unit_per_pass(tool, sources):
+    picked = tool.changed_sources(sources, {"csrc/cuda/grouped_gemm_sm90_rowtile.cuh"})
+    assert len(picked) == 1 and tool.family(picked[0]) == "sm90_rowtile_fwd"
+    picked = tool.changed_sources(sources, {"csrc/cuda/grouped_gemm_sm90_rowrange.cuh"})
+    assert sorted(map(tool.family, picked)) == ["sm90_rowrange_wgrad", "sm90_rowrange_wgrad_accum"]
+    picked = tool.changed_sources(sources, {"csrc/cuda/grouped_gemm_sm90_ptrarray.cuh"})
+    assert sorted(map(tool.family, picked)) == ["sm90_ptrarray_fwd", "sm90_ptrarray_wgrad", "sm90_ptrarray_wgrad_accum"]
 
 
 def test_build_files_compile_one_unit_per_family(tool, sources):

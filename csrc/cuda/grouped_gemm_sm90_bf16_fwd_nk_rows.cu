@@ -1,4 +1,0 @@
-// sm_90a row-tile forward: bf16, kForwardNK (see grouped_gemm_sm90_rows.cuh).
-#include "grouped_gemm_sm90_rows.cuh"
-
-MOE_CORE_SM90_INSTANTIATE_ROWS(kBf16, kForwardNK)

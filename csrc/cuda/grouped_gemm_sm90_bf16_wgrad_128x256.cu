@@ -1,4 +1,0 @@
-// sm_90a grouped GEMM configuration: bf16, kWgrad, tile 128x256 (see grouped_gemm_sm90.cuh).
-#include "grouped_gemm_sm90.cuh"
-
-MOE_CORE_SM90_INSTANTIATE(kBf16, kWgrad, k128x256)
