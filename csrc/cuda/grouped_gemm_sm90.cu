@@ -14,12 +14,12 @@ constexpr bool kTuningBuilt = false;
 
 // Runs (bytes == nullptr) or sizes the workspace of kernel K for dtype D and op O if p asks for it; a tuning
 // kernel this build left out is never referenced.
-template <Dtype D, Op O, KernelConfig K, bool kTuning>
+template <Dtype D, Op O, class K, bool kTuning>
 bool run_if_picked(const Problem& p, void* workspace, int sm_count, cudaStream_t stream, size_t* bytes) {
   if constexpr (kTuning && !kTuningBuilt) {
     return false;
   } else {
-    if (p.dtype != D || p.op != O || p.schedule.kernel != K) return false;
+    if (p.dtype != D || p.op != O || p.schedule.kernel != K::value) return false;
     if (bytes) *bytes = detail::workspace_bytes<D, O, K>(p, sm_count);
     else detail::launch<D, O, K>(p, workspace, sm_count, stream);
     return true;
@@ -30,7 +30,7 @@ void dispatch(const Problem& p, void* workspace, int sm_count, cudaStream_t stre
 #if defined(MOE_CORE_WITH_SM90)
   const bool ran =
 #define MOE_CORE_SM90_INSTANCE(DTYPE, OP, FAMILY, BM, BN, BK, CM, CN, MMA, TUNING)                             \
-  run_if_picked<Dtype::DTYPE, Op::OP, KernelConfig{Family::FAMILY, {BM, BN, BK}, {CM, CN}, Mma::MMA}, TUNING>( \
+  run_if_picked<Dtype::DTYPE, Op::OP, ConfigType<Family::FAMILY, BM, BN, BK, CM, CN, Mma::MMA>, TUNING>(   \
       p, workspace, sm_count, stream, bytes) ||
 #include "grouped_gemm_sm90_instances.inc"
 #undef MOE_CORE_SM90_INSTANCE

@@ -29,9 +29,9 @@ void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream
 namespace detail {
 // One kernel's entry points for a dtype and op: defined in grouped_gemm_sm90_common.cuh, instantiated by one
 // generated grouped_gemm_sm90_<family>_*.cu file each (MOE_CORE_SM90_INSTANTIATE).
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 size_t workspace_bytes(const Problem& p, int sm_count);
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream);
 }  // namespace detail
 

@@ -199,13 +199,13 @@ CUTLASS_DEVICE void end_k_tile(int kt, Pipeline& pipeline, PipelineState& read, 
 
 // A kernel's host side for a dtype and op: `workspace(p, sm_count)` and `launch(p, workspace, sm_count, stream)`.
 // Each family's header specializes it for its Family.
-template <Dtype D, Op O, KernelConfig K, Family F = K.family>
+template <Dtype D, Op O, class K, Family F = K::value.family>
 struct Runner;
 
 namespace detail {
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 size_t workspace_bytes(const Problem& p, int sm_count) { return Runner<D, O, K>::workspace(p, sm_count); }
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream) {
   Runner<D, O, K>::launch(p, workspace, sm_count, stream);
 }
@@ -217,7 +217,7 @@ void launch(const Problem& p, void* workspace, int sm_count, cudaStream_t stream
 // them with the same arguments).
 #define MOE_CORE_SM90_INSTANTIATE(DTYPE, OP, FAMILY, BM, BN, BK, CM, CN, MMA)                           \
   namespace moe_core::cuda::sm90::detail {                                                             \
-  constexpr KernelConfig kInstantiated{Family::FAMILY, {BM, BN, BK}, {CM, CN}, Mma::MMA};              \
+  using kInstantiated = ConfigType<Family::FAMILY, BM, BN, BK, CM, CN, Mma::MMA>;                           \
   template size_t workspace_bytes<Dtype::DTYPE, Op::OP, kInstantiated>(const Problem&, int);           \
   template void launch<Dtype::DTYPE, Op::OP, kInstantiated>(const Problem&, void*, int, cudaStream_t); \
   }

@@ -28,13 +28,13 @@ template <> struct PtrArraySchedules<Mma::kPingpong> {
 };
 
 // CUTLASS's shapes of a KernelConfig: the CTA tile and the cluster.
-template <KernelConfig K>
+template <class K>
 struct CuteShapes {
-  using Tile = cute::Shape<cute::Int<K.tile.m>, cute::Int<K.tile.n>, cute::Int<K.tile.k>>;
-  using Cluster = cute::Shape<cute::Int<K.cluster.m>, cute::Int<K.cluster.n>, cute::_1>;
+  using Tile = cute::Shape<cute::Int<K::value.tile.m>, cute::Int<K::value.tile.n>, cute::Int<K::value.tile.k>>;
+  using Cluster = cute::Shape<cute::Int<K::value.cluster.m>, cute::Int<K::value.cluster.n>, cute::_1>;
 };
 
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 struct PtrArrayConfig {
   static constexpr Op kOp = O;
   static constexpr bool kForward = O == Op::kForwardKN || O == Op::kForwardNK;
@@ -55,14 +55,14 @@ struct PtrArrayConfig {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float,
       ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
-      typename PtrArraySchedules<K.mma>::Epilogue,
+      typename PtrArraySchedules<K::value.mma>::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename PtrArraySchedules<K.mma>::Kernel>::CollectiveOp;
+      typename PtrArraySchedules<K::value.mma>::Kernel>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C>
   g.stride_d[e] = leading_stride<typename C::StrideD>(p.n);
 }
 
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 struct Runner<D, O, K, Family::kPtrArray> {
   using C = PtrArrayConfig<D, O, K>;
 

@@ -340,15 +340,15 @@ struct RowRangeEpilogue<Element, TileShape, true> {
       cutlass::epilogue::Sm90TmaWarpSpecialized<4, 2, 16, true, false>>::CollectiveOp;
 };
 
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 struct RowRangeConfig {
   static_assert(O == Op::kWgrad || O == Op::kWgradAccum);
-  static_assert(K.mma == Mma::kCooperative, "RowRangeMainloop's k-loop is the cooperative one");
+  static_assert(K::value.mma == Mma::kCooperative, "RowRangeMainloop's k-loop is the cooperative one");
   static constexpr bool kAccum = O == Op::kWgradAccum;
   using Element = typename ElementOf<D>::type;
   using ElementD = std::conditional_t<kAccum, float, Element>;
-  using TileShape = cute::Shape<cute::Int<K.tile.m>, cute::Int<K.tile.n>, cute::Int<K.tile.k>>;
-  using ClusterShape = cute::Shape<cute::Int<K.cluster.m>, cute::Int<K.cluster.n>, cute::_1>;
+  using TileShape = cute::Shape<cute::Int<K::value.tile.m>, cute::Int<K::value.tile.n>, cute::Int<K::value.tile.k>>;
+  using ClusterShape = cute::Shape<cute::Int<K::value.cluster.m>, cute::Int<K::value.cluster.n>, cute::_1>;
   using LayoutA = typename LayoutsOf<O>::A;
   using LayoutB = typename LayoutsOf<O>::B;
   using Epilogue = typename RowRangeEpilogue<Element, TileShape, kAccum>::CollectiveOp;
@@ -456,7 +456,7 @@ __global__ void __launch_bounds__(kListThreads) row_offsets(const CountT* counts
   order_by_rows<kEmptyLast>(offsets, p.num_experts, p.num_rows, order);
 }
 
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 struct Runner<D, O, K, Family::kRowRange> {
   using C = RowRangeConfig<D, O, K>;
 

@@ -434,12 +434,12 @@ struct RowStartMainloop : Built {
 
 // The half tile (two 64x128 atoms side by side), the epilogue's staging and the scheduler (one CTA a work tile)
 // are written for 128x256x64 tiles without clusters: K is kRowTile.
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 struct RowTileConfig {
   static_assert(O == Op::kForwardKN || O == Op::kForwardNK);
-  static_assert(K == kRowTile, "the row-tile kernel is built for kRowTile only");
+  static_assert(K::value == kRowTile, "the row-tile kernel is built for kRowTile only");
   using Element = typename ElementOf<D>::type;
-  using TileShape = cute::Shape<cute::Int<K.tile.m>, cute::Int<K.tile.n>, cute::Int<K.tile.k>>;
+  using TileShape = cute::Shape<cute::Int<K::value.tile.m>, cute::Int<K::value.tile.n>, cute::Int<K::value.tile.k>>;
   using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = typename LayoutsOf<O>::B;
@@ -449,7 +449,7 @@ struct RowTileConfig {
                                  cutlass::gemm::collective::detail::gmma_ss_tag_to_major_A<Element, LayoutA>(),
                                  cutlass::gemm::collective::detail::gmma_ss_tag_to_major_B<Element, LayoutB>()>(),
       cute::Layout<cute::Shape<cute::_1, cute::_2, cute::_1>>{}));
-  using Epilogue = RowTileAdapter<RowTileEpilogue<Element, K.tile.m, K.tile.n, HalfMma>>;
+  using Epilogue = RowTileAdapter<RowTileEpilogue<Element, K::value.tile.m, K::value.tile.n, HalfMma>>;
   using Mainloop = RowStartMainloop<typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
       TileShape, ClusterShape,
@@ -458,10 +458,10 @@ struct RowTileConfig {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       RowTileSchedulerTag>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  static constexpr int kBlockM = K.tile.m, kBlockN = K.tile.n;
+  static constexpr int kBlockM = K::value.tile.m, kBlockN = K::value.tile.n;
 };
 
-template <Dtype D, Op O, KernelConfig K>
+template <Dtype D, Op O, class K>
 struct Runner<D, O, K, Family::kRowTile> {
   using C = RowTileConfig<D, O, K>;
 

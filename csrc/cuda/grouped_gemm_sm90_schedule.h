@@ -33,24 +33,38 @@ enum class Mma { kCooperative, kPingpong };
 // The CTA tile: m x n outputs, reduced in k-deep k-tiles.
 struct CtaTile {
   int m = 0, n = 0, k = 0;
-  friend constexpr bool operator==(const CtaTile&, const CtaTile&) = default;
+  friend constexpr bool operator==(const CtaTile& a, const CtaTile& b) {
+    return a.m == b.m && a.n == b.n && a.k == b.k;
+  }
+  friend constexpr bool operator!=(const CtaTile& a, const CtaTile& b) { return !(a == b); }
 };
 
 // CTAs per cluster along M (they share, by TMA multicast, the B tile) and along N (they share the A tile).
 struct ClusterDims {
   int m = 1, n = 1;
-  friend constexpr bool operator==(const ClusterDims&, const ClusterDims&) = default;
+  friend constexpr bool operator==(const ClusterDims& a, const ClusterDims& b) { return a.m == b.m && a.n == b.n; }
+  friend constexpr bool operator!=(const ClusterDims& a, const ClusterDims& b) { return !(a == b); }
 };
 
-// What one instantiation compiles (a structural type: the template argument of its entry points). The
-// instantiations built, for which dtypes and ops, are listed in grouped_gemm_sm90_instances.inc, which
-// tools/gen_sm90_instances.py writes.
+// What one instantiation compiles. The instantiations built, for which dtypes and ops, are listed in
+// grouped_gemm_sm90_instances.inc, which tools/gen_sm90_instances.py writes.
 struct KernelConfig {
   Family family = Family::kPtrArray;
   CtaTile tile;
   ClusterDims cluster;
   Mma mma = Mma::kCooperative;
-  friend constexpr bool operator==(const KernelConfig&, const KernelConfig&) = default;
+  friend constexpr bool operator==(const KernelConfig& a, const KernelConfig& b) {
+    return a.family == b.family && a.tile == b.tile && a.cluster == b.cluster && a.mma == b.mma;
+  }
+  friend constexpr bool operator!=(const KernelConfig& a, const KernelConfig& b) { return !(a == b); }
+};
+
+// A KernelConfig as a type (its ::value), the template argument of a kernel's entry points: the code must
+// build as C++17 (torch's extension builder picks the standard torch was built with), where a class-type value
+// cannot be a template parameter.
+template <Family F, int BM, int BN, int BK, int CM, int CN, Mma M>
+struct ConfigType {
+  static constexpr KernelConfig value{F, {BM, BN, BK}, {CM, CN}, M};
 };
 
 // The kernels pick_schedule names.

@@ -60,7 +60,7 @@ def pick(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sm90_schedule")
     (folder / "driver.cpp").write_text(DRIVER)
     exe = folder / "driver"
-    subprocess.run([cxx, "-std=c++20", "-O0", f"-I{CUDA_DIR}", str(CUDA_DIR / "grouped_gemm_sm90_schedule.cpp"),
+    subprocess.run([cxx, "-std=c++17", "-O0", f"-I{CUDA_DIR}", str(CUDA_DIR / "grouped_gemm_sm90_schedule.cpp"),
                     str(folder / "driver.cpp"), "-o", str(exe)], check=True, capture_output=True, timeout=120)
 
     def run(lines, **env):
