@@ -11,6 +11,7 @@ from torch import nn
 
 from moe_core.config import TransformerConfig
 from moe_core.mlp import MLP
+from moe_core.parallel.tp_weights import tp_full
 
 
 class SharedExpertMLP(MLP):
@@ -20,6 +21,10 @@ class SharedExpertMLP(MLP):
     ``sigmoid(hidden @ gate_weight^T)`` (one scalar per token) when ``moe_shared_expert_gate``.
     Parameters: ``linear_fc1`` / ``linear_fc2`` (nn.Linear, same init as ``MLP``) and ``gate_weight`` [1, H]
     (normal(0, init_method_std)) when gated, else ``gate_weight`` is None.
+
+    Under TP (``moe_core.parallel.tensor_parallel``) fc1 and fc2 gather and scatter the tokens themselves:
+    ``hidden`` and the output are this rank's tokens, and the gate (a replicated weight) is computed on them,
+    its gradient reduced over the TP group where it is read (``tp_weights.tp_full``).
 
     Raises:
         ValueError: ``config.moe_shared_expert_intermediate_size`` is None.
@@ -37,7 +42,7 @@ class SharedExpertMLP(MLP):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = super().forward(hidden)
         if self.gate_weight is not None:
-            out = out * torch.sigmoid(hidden @ self.gate_weight.t())
+            out = out * torch.sigmoid(hidden @ tp_full(self.gate_weight).t())
         return out
 
 __all__ = ["SharedExpertMLP"]

@@ -9,6 +9,12 @@ Gradients are *summed*, never averaged: the loss is already divided by the globa
 (``moe_core.parallel.loss``), and averaging would scale dense gradients by 1/dp and expert gradients by
 1/expt_dp, a mismatch whenever ep > 1. Sum reduction also avoids PREMUL_SUM, which gloo lacks.
 
+With tensor parallelism the parameters are already DTensors of the TP (or ETP) mesh and FSDP2 shards them
+further over the DP (or expert-DP) mesh, which must share their root mesh (``process_groups``). It
+redistributes a ``Partial`` TP gradient (a SequenceParallel norm's) to the parameter's ``Replicate`` before
+reducing over DP. A gated fc1 that TP split with ``_StridedShard`` is sharded on another dimension
+(``fsdp_shard_placement``).
+
 FSDP2 reduce-scatters the gradients of every parameter of a group together; it needs every rank to produce
 a gradient for the same parameters. moe_core's experts always run every local expert (zero rows included),
 so an expert that saw no token gets an exact zero gradient instead of none (the failure in the transformers
@@ -19,8 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from moe_core.parallel.process_groups import ProcessGroupCollection
 
@@ -74,6 +83,24 @@ def wrap_per_block(model: nn.Module, pg_collection: ProcessGroupCollection, wrap
     return model
 
 
+def fsdp_shard_placement(param: torch.Tensor) -> Shard | None:
+    """The dimension FSDP2 shards ``param`` on: dim 0 (None, FSDP2's default), unless TP split dim 0 with a
+    ``_StridedShard`` (a gated fc1's [gate_r; up_r]): then the first dimension no TP placement splits, since
+    FSDP2's placements for a split of a strided split would not describe the data.
+
+    Raises:
+        ValueError: TP splits every dimension.
+    """
+    placements = getattr(param, "placements", ())
+    if not any(isinstance(p, _StridedShard) and p.dim == 0 for p in placements):
+        return None
+    used = {p.dim for p in placements if isinstance(p, (Shard, _StridedShard))}
+    free = [d for d in range(param.dim()) if d not in used]
+    if not free:
+        raise ValueError(f"param: every dimension of a {tuple(param.shape)} parameter is split by {placements}")
+    return Shard(free[0])
+
+
 def apply_fsdp2(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks: Iterable[nn.Module] | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` in place with FSDP2 for EP training (Megatron's ``--use-torch-fsdp2``).
@@ -87,10 +114,11 @@ def apply_fsdp2(model: nn.Module, pg_collection: ProcessGroupCollection, *, bloc
     Returns:
         ``model``; parameters become DTensors (Shard(0) on their mesh), gradients are summed.
     """
-    kwargs = {"reshard_after_forward": reshard_after_forward}
+    kwargs = {"reshard_after_forward": reshard_after_forward, "shard_placement_fn": fsdp_shard_placement}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     return wrap_per_block(model, pg_collection, fully_shard, blocks=blocks, **kwargs)
 
 
-__all__ = ["apply_fsdp2", "find_blocks", "find_expert_modules", "split_expert_params", "wrap_per_block"]
+__all__ = ["apply_fsdp2", "fsdp_shard_placement", "find_blocks", "find_expert_modules", "split_expert_params",
+           "wrap_per_block"]

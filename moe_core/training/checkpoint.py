@@ -61,7 +61,8 @@ RESUMABLE_FIELDS = frozenset({
     "seq_length", "init_method_std", "moe_token_dispatcher_type", "moe_router_dtype", "moe_router_bias_update_rate",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
     "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
-    "expert_model_parallel_size", "tensor_model_parallel_size",
+    "expert_model_parallel_size", "tensor_model_parallel_size", "sequence_parallel", "expert_tensor_parallel_size",
+    "cross_entropy_chunk_size", "moe_apply_probs_on_output",
 })
 
 

@@ -9,16 +9,17 @@ infinite, the step leaves the weights, AdamW's moments, the LR schedule and the 
 only drops the gradients. Both values are reduced over all ranks before the test, so every rank takes the same
 branch and issues the same collectives.
 
-Under torchrun every rank is a data-parallel rank (``moe_core.parallel``): experts are split over
-``expert_model_parallel_size`` ranks and the model is wrapped with FSDP2 (``use_torch_fsdp2``) or DDP, both
-summing gradients (dense over DP, experts over expert-DP). The model starts from the single-process
-initialisation (same seed, experts sliced), so a run's losses are comparable across layouts.
+Under torchrun (``moe_core.parallel``) the ranks form TP groups of ``tensor_model_parallel_size`` (attention,
+MLPs and the sequence split over them, ``tensor_parallel``), the TP groups are the data-parallel ranks, and
+experts are split over ``expert_model_parallel_size`` ranks (and their fc1 / fc2 over ETP). The model is
+wrapped with FSDP2 (``use_torch_fsdp2``) or DDP, both summing gradients (dense over DP, experts over
+expert-DP). The model starts from the single-process initialisation (same seed, experts and TP shards
+sliced), so a run's losses are comparable across layouts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from moe_core.parallel.grad_clip import clip_grad_norm_
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.parallel.state import load_full_state_dict
+from moe_core.parallel.tensor_parallel import apply_tensor_parallel
 from moe_core.training.config import TrainingConfig
 from moe_core.training.schedule import build_scheduler
 
@@ -81,17 +83,18 @@ class TrainingState:
 
 def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: torch.device,
                 pg_collection: ProcessGroupCollection | None = None) -> GPTModel:
-    """The GPTModel of the single-process run with seed ``cfg.seed``; under EP this rank's experts of it,
-    wrapped with FSDP2 or DDP. With ``bf16`` on CUDA, FSDP2 gets a ``MixedPrecisionPolicy`` (bf16 parameters
-    for compute and all-gather, float32 gradient reduction) instead of autocast."""
+    """The GPTModel of the single-process run with seed ``cfg.seed``; under EP / TP this rank's experts and
+    TP shards of it, wrapped with FSDP2 or DDP. With ``bf16`` on CUDA, FSDP2 gets a ``MixedPrecisionPolicy``
+    (bf16 parameters for compute and all-gather, float32 gradient reduction) instead of autocast."""
     torch.manual_seed(cfg.seed)
     if pg_collection is None:
         return GPTModel(model_config).to(device)
-    full = GPTModel(dataclasses.replace(model_config, expert_model_parallel_size=1))
+    full = GPTModel(model_config.single_process())
     model = GPTModel(model_config, pg_collection)
     load_full_state_dict(model, full.state_dict(), pg_collection)
     del full
     model.to(device)
+    apply_tensor_parallel(model, pg_collection)
     if not cfg.use_torch_fsdp2:
         return apply_ddp(model, pg_collection)
     mp_policy = None
@@ -205,9 +208,10 @@ def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
             layer.router.local_tokens_per_expert.zero_()  # the loads of a step that does not count
         else:
             if pg is not None:
-                # Expert-bias updates must see the global batch's loads so the bias stays equal on all ranks.
-                with named_collective("all_reduce (tokens per expert)", pg.dp):
-                    dist.all_reduce(layer.router.local_tokens_per_expert, group=pg.dp)
+                # Expert-bias updates must see the global batch's loads (every DP and TP rank's tokens) so the
+                # bias stays equal on all ranks.
+                with named_collective("all_reduce (tokens per expert)", pg.tp_dp):
+                    dist.all_reduce(layer.router.local_tokens_per_expert, group=pg.tp_dp)
             layer.router.update_expert_bias()
         layer.router.reset_global_aux_loss_tracker()
     return step_loss, grad_norm, skipped
