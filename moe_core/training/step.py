@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
@@ -107,22 +108,44 @@ def _bf16_on(cfg: TrainingConfig, device: torch.device) -> bool:
     return cfg.bf16 and device.type == "cuda"
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig, *, fused: bool | None = None,
+                    foreach: bool | None = None) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices and expert weights only (not on norms, biases or 1-D params).
 
-    Fused (the role of apex's and TE's FusedAdam in Megatron) when the parameters live on CUDA; torch's foreach
-    implementation elsewhere. Four parameter groups, in every process layout (so checkpoints load across
-    layouts), some possibly empty: dense and expert parameters, each with and without decay. A group never mixes
-    dense and expert parameters: the fused and foreach kernels batch a group's tensors, and under FSDP2 the two
-    kinds are DTensors of different meshes (DP and expert-DP), which cannot share a batch.
+    Fused (the role of apex's and TE's FusedAdam in Megatron) when the parameters live on CUDA, torch's default
+    elsewhere, unless ``fused`` / ``foreach`` pick the implementation (torch.optim.AdamW's arguments). Four
+    parameter groups, in every process layout (so checkpoints load across layouts), some possibly empty: dense
+    and expert parameters, each with and without decay. A group never mixes meshes: the fused and foreach
+    kernels batch a group's tensors, and DTensors of different meshes cannot share a batch. Dense parameters
+    live on the DP (x TP) mesh, experts on the expert-DP (x ETP) mesh: ``tensor_parallel`` makes every dense
+    parameter a DTensor of the TP mesh, so FSDP2 / replicate put them all on one mesh.
+
+    Raises:
+        ValueError: a group would hold DTensors of different meshes (naming two of them).
     """
     dense, experts = split_expert_params(model)
+    names = {id(p): name for name, p in model.named_parameters()}
     param_groups = [{"params": [p for p in params if (p.dim() >= 2) == decay],
                      "weight_decay": cfg.weight_decay if decay else 0.0}
                     for params in (dense, experts) for decay in (True, False)]
-    on_cuda = all(p.device.type == "cuda" for p in model.parameters())
+    for group in param_groups:
+        _check_one_mesh(group["params"], names)
+    if fused is None and foreach is None:
+        fused = all(p.device.type == "cuda" for p in model.parameters()) or None
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             fused=on_cuda or None)
+                             fused=fused, foreach=foreach)
+
+
+def _check_one_mesh(params: list[torch.nn.Parameter], names: dict[int, str]) -> None:
+    meshes = {}
+    for p in params:
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        meshes.setdefault(mesh, names[id(p)])
+    if len(meshes) > 1:
+        (a, name_a), (b, name_b) = list(meshes.items())[:2]
+        describe = [m.mesh_dim_names if m is not None else "no mesh (a plain tensor)" for m in (a, b)]
+        raise ValueError(f"model: optimizer group mixes meshes: {name_a} on {describe[0]}, {name_b} on {describe[1]}; "
+                         "apply tensor_parallel before FSDP2 / replicate so every dense parameter shares one mesh")
 
 
 def training_device(pg_collection: ProcessGroupCollection | None) -> torch.device:

@@ -77,20 +77,34 @@ def _router_grad_marked_replicate(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local(grad_placements=[Replicate()]) if isinstance(weight, DTensor) else weight
 
 
-def _train(tp: int, ep: int, etp: int, wrapper: str, shared: bool = True, gate: bool = False,
-           on_output: bool = False, control: bool = False) -> dict:
-    dev = device()
+def build_pair(tp: int, ep: int, etp: int, wrapper: str, **config) -> tuple:
+    """``(pg, reference GPTModel, the same weights split by TP / EP and wrapped)``; aux-loss scale 1 / DP."""
     pg = groups(ep, NUM_EXPERTS, tp, etp)
-    cfg = tp_config(tp, ep, etp, shared, gate, on_output)
+    cfg = tp_config(tp, ep, etp, **config)
     torch.manual_seed(0)
-    ref = GPTModel(cfg.single_process()).to(dev)
-    model = GPTModel(cfg, pg).to(dev)
+    ref = GPTModel(cfg.single_process()).to(device())
+    model = GPTModel(cfg, pg).to(device())
     load_full_state_dict(model, ref.state_dict(), pg)
     apply_tensor_parallel(model, pg)
     WRAPPERS[wrapper](model, pg)
-    dp = pg.dp_size
     for layer in model.moe_layers() + ref.moe_layers():
-        layer.router.aux_loss_scale = 1.0 / dp  # one micro-batch per DP rank
+        layer.router.aux_loss_scale = 1.0 / pg.dp_size  # one micro-batch per DP rank
+    return pg, ref, model
+
+
+def batch(step: int, pg) -> tuple[torch.Tensor, torch.Tensor, list[slice]]:
+    """The global batch of ``step`` (inputs, labels) and the rows of each DP rank."""
+    dp = pg.dp_size
+    generator = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, VOCAB, (BATCH_PER_DP * dp, SEQ + 1), generator=generator).to(device())
+    return tokens[:, :-1], tokens[:, 1:], [slice(d * BATCH_PER_DP, (d + 1) * BATCH_PER_DP) for d in range(dp)]
+
+
+def _train(tp: int, ep: int, etp: int, wrapper: str, shared: bool = True, gate: bool = False,
+           on_output: bool = False, control: bool = False) -> dict:
+    dev = device()
+    pg, ref, model = build_pair(tp, ep, etp, wrapper, shared=shared, gate=gate, on_output=on_output)
+    dp = pg.dp_size
     train_cfg = TrainingConfig(lr=1e-2, micro_batch_size=BATCH_PER_DP)
     opt, ref_opt = build_optimizer(model, train_cfg), build_optimizer(ref, train_cfg)
     dense, expert = split_expert_params(model)
@@ -118,10 +132,7 @@ def _train(tp: int, ep: int, etp: int, wrapper: str, shared: bool = True, gate: 
         router_module.tp_full = _router_grad_marked_replicate
     try:
         for step in range(STEPS):
-            generator = torch.Generator().manual_seed(100 + step)
-            tokens = torch.randint(0, VOCAB, (global_batch, SEQ + 1), generator=generator).to(dev)
-            inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            micro = [slice(d * BATCH_PER_DP, (d + 1) * BATCH_PER_DP) for d in range(dp)]
+            inputs, labels, micro = batch(step, pg)
             if step == 0:  # the router losses alone: their gradients equal TP 1's
                 (model(inputs[rows], labels[rows]).sum() * 0).backward()
                 for m in micro:
