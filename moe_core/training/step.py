@@ -13,8 +13,8 @@ Under torchrun (``moe_core.parallel``) the ranks form TP groups of ``tensor_mode
 MLPs and the sequence split over them, ``tensor_parallel``), the TP groups are the data-parallel ranks, and
 experts are split over ``expert_model_parallel_size`` ranks (and their fc1 / fc2 over ETP). The model is
 wrapped with FSDP2 (``use_torch_fsdp2``) or DDP, both summing gradients (dense over DP, experts over
-expert-DP). The model starts from the single-process initialisation (same seed, experts and TP shards
-sliced), so a run's losses are comparable across layouts.
+expert-DP). The model is built on the meta device and each rank initialises only its shards, with the
+values of the single-process initialisation (same seed), so a run's losses are comparable across layouts.
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
+from moe_core.models.init import init_weights
 from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
 from moe_core.parallel.grad_clip import clip_grad_norm_
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
-from moe_core.parallel.state import load_full_state_dict
 from moe_core.parallel.tensor_parallel import apply_tensor_parallel
 from moe_core.training.config import TrainingConfig
 from moe_core.training.schedule import build_scheduler
@@ -84,24 +84,31 @@ class TrainingState:
 
 def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: torch.device,
                 pg_collection: ProcessGroupCollection | None = None) -> GPTModel:
-    """The GPTModel of the single-process run with seed ``cfg.seed``; under EP / TP this rank's experts and
-    TP shards of it, wrapped with FSDP2 or DDP. With ``bf16`` on CUDA, FSDP2 gets a ``MixedPrecisionPolicy``
-    (bf16 parameters for compute and all-gather, float32 gradient reduction) instead of autocast."""
+    """The GPTModel of the single-process run with seed ``cfg.seed`` (``models.init.init_weights``); under
+    EP / TP this rank's experts and TP shards of it, wrapped with FSDP2 or DDP.
+
+    Built on the meta device, split and wrapped there, then allocated on ``device`` and initialised: a rank
+    never holds more than its shards (and one whole parameter while initialising it), so the model may be
+    far larger than one device. With ``bf16`` on CUDA, FSDP2 gets a ``MixedPrecisionPolicy`` (bf16 parameters
+    for compute and all-gather, float32 gradient reduction) instead of autocast."""
     torch.manual_seed(cfg.seed)
-    if pg_collection is None:
-        return GPTModel(model_config).to(device)
-    full = GPTModel(model_config.single_process())
-    model = GPTModel(model_config, pg_collection)
-    load_full_state_dict(model, full.state_dict(), pg_collection)
-    del full
-    model.to(device)
-    apply_tensor_parallel(model, pg_collection)
-    if not cfg.use_torch_fsdp2:
-        return apply_ddp(model, pg_collection)
-    mp_policy = None
-    if _bf16_on(cfg, device):
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return apply_fsdp2(model, pg_collection, mp_policy=mp_policy)
+    with torch.device("meta"):
+        model = GPTModel(model_config, pg_collection)
+    if pg_collection is not None:
+        apply_tensor_parallel(model, pg_collection)
+        if not cfg.use_torch_fsdp2:
+            apply_ddp(model, pg_collection)
+        else:
+            mp_policy = None
+            if _bf16_on(cfg, device):
+                mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            apply_fsdp2(model, pg_collection, mp_policy=mp_policy)
+    model.to_empty(device=device)
+    expert_offset = 0
+    if pg_collection is not None and model_config.num_moe_experts is not None:
+        expert_offset = pg_collection.local_expert_indices(model_config.num_moe_experts)[0]
+    init_weights(model, cfg.seed, expert_offset)
+    return model
 
 
 def _bf16_on(cfg: TrainingConfig, device: torch.device) -> bool:

@@ -47,7 +47,7 @@ MAX_NORM = 0.1
 
 
 def tp_config(tp: int = 1, ep: int = 1, etp: int = 1, shared: bool = True, gate: bool = False,
-              on_output: bool = False) -> TransformerConfig:
+              on_output: bool = False, **extra) -> TransformerConfig:
     return TransformerConfig(
         num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=16,
         vocab_size=VOCAB, seq_length=SEQ, qk_layernorm=True, num_moe_experts=NUM_EXPERTS, moe_router_topk=2,
@@ -56,7 +56,7 @@ def tp_config(tp: int = 1, ep: int = 1, etp: int = 1, shared: bool = True, gate:
         moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
         moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.1, 0.1],
         moe_z_loss_coeff=0.01, moe_apply_probs_on_output=on_output, tensor_model_parallel_size=tp,
-        sequence_parallel=tp > 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, **extra,
     )
 
 
