@@ -198,6 +198,9 @@ class TransformerConfig:
         for name, value in divisible.items():
             if value is not None and value % tp:
                 raise ValueError(f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp})")
+        if self.add_bias_linear and self.gated_linear_unit:
+            raise ValueError(f"add_bias_linear: biases of a gated MLP ({self.activation_func}) are not implemented "
+                             f"with tensor_model_parallel_size {tp}")
         if self.qk_layernorm and self.qk_layernorm_span == "projection":
             raise ValueError("qk_layernorm_span: 'projection' normalises over the heads TP splits; with "
                              f"tensor_model_parallel_size {tp} use 'head'")

@@ -125,7 +125,7 @@ class SafetensorsReader:
     """Rows of the tensors of an HF directory's safetensors files (``model.safetensors``, or the shards of
     ``model.safetensors.index.json``), read lazily: only the rows asked for leave the file.
 
-    Records each read in ``rows_read`` (key -> (start, stop)). Use as a context manager (closes the files).
+    Counts the elements read per key in ``elements_read``. Use as a context manager (closes the files).
 
     Raises:
         FileNotFoundError: the directory has neither file.
@@ -143,7 +143,7 @@ class SafetensorsReader:
             raise FileNotFoundError(f"path: expected {SINGLE_FILE} or {INDEX_FILE} in {directory}")
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
-        self.rows_read: dict[str, tuple[int, int]] = {}
+        self.elements_read: dict[str, int] = {}
 
     def __enter__(self) -> SafetensorsReader:
         return self
@@ -160,19 +160,22 @@ class SafetensorsReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
-    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of tensor ``key`` (dim 0); a read that continues the key's previous one
-        extends its ``rows_read`` range."""
-        previous = self.rows_read.get(key)
-        self.rows_read[key] = (previous[0], stop) if previous is not None and previous[1] == start else (start, stop)
-        return self._slice(key)[start:stop]
+    def rows(self, key: str, start: int, stop: int, columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``key`` (dim 0), only ``columns`` ``(first, last)`` of dim 1 when given
+        (safetensors reads just those bytes)."""
+        block = self._slice(key)[start:stop] if columns is None else self._slice(key)[start:stop, columns[0]:columns[1]]
+        self.elements_read[key] = self.elements_read.get(key, 0) + block.numel()
+        return block
 
 
 @torch.no_grad()
-def fill_rows(dest: torch.Tensor, src: RowConcat | ExpertStack, reader: SafetensorsReader, start: int) -> None:
+def fill_rows(dest: torch.Tensor, src: RowConcat | ExpertStack, reader: SafetensorsReader, start: int,
+              column: int | None = None) -> None:
     """Copy rows ``[start, start + len(dest))`` of the moe_core tensor ``src`` describes into ``dest``
-    (dtype and device converted), reading only those rows (for ``ExpertStack``: those experts)."""
+    (dtype and device converted), reading only those rows (for ``ExpertStack``: those experts); with
+    ``column``, only dim-1 entries ``[column, column + dest.shape[1])`` of a ``RowConcat``."""
     stop = start + dest.shape[0]
+    columns = None if column is None else (column, column + dest.shape[1])
     if isinstance(src, ExpertStack):
         for row, expert in enumerate(range(start, stop)):
             pieces = [reader.rows(key, 0, rows) for key, (_, rows) in zip(src.keys(expert), src.pieces, strict=True)]
@@ -182,7 +185,7 @@ def fill_rows(dest: torch.Tensor, src: RowConcat | ExpertStack, reader: Safetens
     for key, first, last in src.pieces:
         lo, hi = max(start, offset), min(stop, offset + last - first)
         if lo < hi:
-            dest[lo - start:hi - start].copy_(reader.rows(key, first + lo - offset, first + hi - offset))
+            dest[lo - start:hi - start].copy_(reader.rows(key, first + lo - offset, first + hi - offset, columns))
         offset += last - first
 
 
