@@ -102,6 +102,15 @@ def router_losses(model: GPTModel, tp_group: dist.ProcessGroup | None = None) ->
     return dict(zip(totals, stacked.tolist(), strict=True))
 
 
+def peak_memory_gib(device: torch.device, pg_collection: ProcessGroupCollection | None) -> float:
+    """The most CUDA memory any rank has allocated since start-up (``torch.cuda.max_memory_allocated``), GiB;
+    collective over all ranks (one all-reduce)."""
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+    if pg_collection is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
+
+
 def mfu(flops_per_token: float, tokens_per_second: float, device: torch.device) -> float | None:
     """Model FLOPs utilisation on CUDA: achieved FLOP/s over the device's dense bf16 peak; None elsewhere."""
     if device.type != "cuda":
@@ -199,6 +208,8 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
             utilisation = mfu(whole.flops_per_token(), tokens_per_second / gpus, state.device)
             if utilisation is not None:
                 metrics["mfu"] = utilisation
+            if state.device.type == "cuda":
+                metrics["peak_memory_gib"] = peak_memory_gib(state.device, pg)
             writer.log(done, metrics)
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_second:,.0f}")
             t_log, steps_since_log = time.perf_counter(), 0
@@ -237,4 +248,5 @@ class _NoWriter:
         return None
 
 
-__all__ = ["pretrain", "RunSummary", "TrainingDivergedError", "evaluate", "expert_load_stats", "router_losses", "mfu"]
+__all__ = ["pretrain", "RunSummary", "TrainingDivergedError", "evaluate", "expert_load_stats", "router_losses", "mfu",
+           "peak_memory_gib"]
