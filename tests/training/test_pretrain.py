@@ -165,6 +165,18 @@ def test_flags_override_yaml(tmp_path):
         pretrain_gpt.parse_args(["--config", str(config)])
 
 
+def test_parallel_flags_use_megatrons_names():
+    model, _ = pretrain_gpt.parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                        "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2",
+                                        "--cross-entropy-chunk-size", "64"])
+    assert (model.tensor_model_parallel_size, model.sequence_parallel, model.expert_tensor_parallel_size,
+            model.expert_model_parallel_size, model.cross_entropy_chunk_size) == (2, True, 1, 2, 64)
+    assert pretrain_gpt.parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel"])[0] \
+        .expert_tensor_parallel_size == 2  # Megatron's default: ETP = TP
+    with pytest.raises(ValueError, match="sequence_parallel: tensor_model_parallel_size 2 requires"):
+        pretrain_gpt.parse_args(["--tensor-model-parallel-size", "2"])
+
+
 def test_tiny_yaml_is_the_default_run():
     model, training = pretrain_gpt.parse_args([])
     assert (model.num_layers, model.hidden_size, model.num_moe_experts, model.moe_router_topk, model.seq_length) \
