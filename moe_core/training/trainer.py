@@ -140,7 +140,8 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
     streams = build_token_streams(cfg.data_path, tokenizer, *cfg.decode_args())
     state = setup_training(model_config, cfg, pg)
     if pg is not None:
-        log(f"parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {pg.tp_size} (SP), DP {pg.dp_size}, "
+        log(f"parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {pg.tp_size}"
+            f"{' (SP)' if pg.tp_size > 1 else ''}, DP {pg.dp_size}, "
             f"EP {pg.ep_size}, ETP {pg.expt_tp_size}, expert-DP {pg.expt_dp_size}, "
             f"{'FSDP2' if cfg.use_torch_fsdp2 else 'DDP'}")
     # Parameter and FLOP counts of the whole model (every EP rank's experts), from a weightless copy.
