@@ -64,6 +64,10 @@ class TransformerConfig:
     """Tie the output projection to the input embedding."""
     init_method_std: float = 0.02
     """Std of the normal init of linear and embedding weights."""
+    cross_entropy_chunk_size: int | None = None
+    """Tokens per chunk of the loss: the output layer and cross-entropy run on this many tokens at a time and
+    recompute their logits in backward, so ``[tokens, vocab]`` logits never exist whole (the TRL report's
+    chunked loss). None: all tokens at once."""
 
     # --- MoE layer ---
     num_moe_experts: int | None = None
@@ -119,16 +123,30 @@ class TransformerConfig:
     """With a capacity factor, pad every expert to its capacity (static shapes, drop_and_pad)."""
     moe_token_drop_policy: str = "probs"
     """Which tokens an over-full expert keeps: highest probs, or earliest position."""
+    moe_apply_probs_on_output: bool = False
+    """Where the experts apply each row's routing prob: False multiplies the activation before fc2 (Megatron's
+    ``activation_func_with_probs``, fused into SwiGLU here), True multiplies the expert's output (fc2's result
+    and bias), the placement of the classic weighted combine. Both compute ``p * expert(x)`` without biases."""
 
     # --- parallelism ---
     expert_model_parallel_size: int = 1
     """EP size: ranks over which the experts are split."""
     tensor_model_parallel_size: int = 1
-    """TP size (only 1 is implemented)."""
+    """TP size: attention heads (whole query groups), the dense MLP and the shared expert split over this many
+    ranks (``moe_core.parallel.tensor_parallel``); requires ``sequence_parallel``."""
+    sequence_parallel: bool = False
+    """Split the sequence over the TP ranks outside attention and the MLPs (norms, router, experts, loss); every
+    MoE layer then routes each token on exactly one TP rank. Required when tensor_model_parallel_size > 1
+    (Megatron requires it with MoE; moe_core implements TP with it only); no effect at TP size 1."""
+    expert_tensor_parallel_size: int | None = None
+    """Expert TP (ETP): each expert's fc1 split by columns and fc2 by rows over this many ranks; 1 or
+    tensor_model_parallel_size. None: tensor_model_parallel_size (Megatron's default)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
             _positive_int(self, name)
+        if self.cross_entropy_chunk_size is not None:
+            _positive_int(self, "cross_entropy_chunk_size")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         _positive_int(self, "num_query_groups")
@@ -158,10 +176,46 @@ class TransformerConfig:
         self._validate_moe()
         self._validate_router()
         _positive_int(self, "expert_model_parallel_size")
-        if self.tensor_model_parallel_size != 1:
-            raise ValueError(
-                f"tensor_model_parallel_size: only 1 is implemented, got {self.tensor_model_parallel_size}"
-            )
+        self._validate_tensor_parallel()
+
+    def _validate_tensor_parallel(self) -> None:
+        """TP, SP and ETP sizes: what each split needs to divide evenly (Megatron's checks)."""
+        _positive_int(self, "tensor_model_parallel_size")
+        tp = self.tensor_model_parallel_size
+        if not isinstance(self.sequence_parallel, bool):
+            raise TypeError(f"sequence_parallel: expected bool, got {type(self.sequence_parallel).__name__}")
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = tp
+        _positive_int(self, "expert_tensor_parallel_size")
+        etp = self.expert_tensor_parallel_size
+        if etp not in (1, tp):
+            raise ValueError(f"expert_tensor_parallel_size: expected 1 or tensor_model_parallel_size ({tp}), got {etp}")
+        if tp == 1:
+            return
+        if not self.sequence_parallel:
+            raise ValueError(f"sequence_parallel: tensor_model_parallel_size {tp} requires sequence_parallel=True "
+                             "(Megatron requires it with MoE; moe_core runs TP with sequence parallelism only)")
+        divisible = {"num_query_groups": self.num_query_groups, "ffn_hidden_size": self.ffn_hidden_size,
+                     "vocab_size": self.vocab_size, "seq_length": self.seq_length,
+                     "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size}
+        for name, value in divisible.items():
+            if value is not None and value % tp:
+                raise ValueError(f"{name} ({value}) must be divisible by tensor_model_parallel_size ({tp})")
+        if self.add_bias_linear and self.gated_linear_unit:
+            raise ValueError(f"add_bias_linear: biases of a gated MLP ({self.activation_func}) are not implemented "
+                             f"with tensor_model_parallel_size {tp}")
+        if self.qk_layernorm and self.qk_layernorm_span == "projection":
+            raise ValueError("qk_layernorm_span: 'projection' normalises over the heads TP splits; with "
+                             f"tensor_model_parallel_size {tp} use 'head'")
+        if etp > 1 and self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size % etp:
+            raise ValueError(f"moe_ffn_hidden_size ({self.moe_ffn_hidden_size}) must be divisible by "
+                             f"expert_tensor_parallel_size ({etp})")
+        if etp > 1 and self.add_bias_linear and self.num_moe_experts is not None:
+            raise ValueError(f"add_bias_linear: expert fc2 biases are not implemented with expert_tensor_parallel_size "
+                             f"{etp}; use 1")
+        if etp > 1 and self.moe_pad_expert_input_to_capacity:
+            raise ValueError(f"moe_pad_expert_input_to_capacity: not implemented with expert_tensor_parallel_size "
+                             f"{etp}; use 1")
 
     def _validate_moe(self) -> None:
         if self.num_moe_experts is None:
@@ -269,6 +323,11 @@ class TransformerConfig:
     def gated_linear_unit(self) -> bool:
         """True when the activation is gated (fc1 produces two halves)."""
         return self.activation_func in GATED_ACTIVATIONS
+
+    def single_process(self) -> TransformerConfig:
+        """This config with every parallel size 1: the model one process holds whole."""
+        return dataclasses.replace(self, expert_model_parallel_size=1, tensor_model_parallel_size=1,
+                                   expert_tensor_parallel_size=1, sequence_parallel=False)
 
     @property
     def num_local_experts(self) -> int:

@@ -59,6 +59,13 @@ class Block(nn.Module):
         return x_BSH + self.moe(self.moe_norm(x_BSH))
 
 
+def _qkv_sections(attn: nn.Module) -> torch.Tensor:
+    """A moe_core ``SelfAttention``'s ``linear_qkv`` weight (MHA: each head's q, k and v rows in turn,
+    Megatron's layout) as ``[q; k; v]`` rows."""
+    weight = attn.linear_qkv.weight
+    return weight.view(attn.num_heads, 3, attn.head_dim, -1).transpose(0, 1).reshape(weight.shape)
+
+
 class NativeGPT(nn.Module):
     """Embedding -> MoE blocks -> RMSNorm -> untied output linear; ``forward(ids, labels)`` is the mean
     cross-entropy (logits upcast to float32).
@@ -107,7 +114,7 @@ class NativeGPT(nn.Module):
         model.norm.weight.copy_(gpt.decoder.final_layernorm.weight)
         for block, layer in zip(model.layers, layers, strict=True):
             block.attention_norm.weight.copy_(layer.input_layernorm.weight)
-            block.attention.qkv.weight.copy_(layer.self_attention.linear_qkv.weight)
+            block.attention.qkv.weight.copy_(_qkv_sections(layer.self_attention))
             block.attention.proj.weight.copy_(layer.self_attention.linear_proj.weight)
             block.moe_norm.weight.copy_(layer.pre_mlp_layernorm.weight)
         return model.to(gpt.embedding.weight.dtype)

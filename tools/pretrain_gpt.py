@@ -3,9 +3,13 @@
 
     python tools/pretrain_gpt.py --config configs/tiny.yaml [--train-iters 500 --lr 2e-3 ...]
     torchrun --nproc-per-node 2 tools/pretrain_gpt.py --expert-model-parallel-size 2 [--use-torch-fsdp2]
+    torchrun --nproc-per-node 4 tools/pretrain_gpt.py --tensor-model-parallel-size 2 --sequence-parallel \
+        --expert-model-parallel-size 2
 
-Under torchrun every process is a data-parallel rank; --expert-model-parallel-size splits the experts over
-that many ranks (gloo on CPU, NCCL on GPUs; MOE_CORE_BACKEND overrides), DDP unless --use-torch-fsdp2.
+Under torchrun the processes form TP groups of --tensor-model-parallel-size ranks (with --sequence-parallel,
+which TP requires), each TP group one data-parallel rank; --expert-model-parallel-size splits the experts over
+that many ranks and --expert-tensor-parallel-size (1 or the TP size, default the TP size) each expert's
+fc1 / fc2 (gloo on CPU, NCCL on GPUs; MOE_CORE_BACKEND overrides), DDP unless --use-torch-fsdp2.
 
 Flags use Megatron's spellings and override the YAML's ``model:`` (TransformerConfig) and ``training:``
 (TrainingConfig) fields. The default corpus is the Python standard library's sources, tokenized as bytes.
@@ -41,6 +45,9 @@ MODEL_FLAGS = [
     ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float),
     ("--moe-token-dispatcher-type", "moe_token_dispatcher_type", str),
     ("--expert-model-parallel-size", "expert_model_parallel_size", int),
+    ("--tensor-model-parallel-size", "tensor_model_parallel_size", int),
+    ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", int),
+    ("--cross-entropy-chunk-size", "cross_entropy_chunk_size", int),
 ]
 TRAINING_FLAGS = [
     ("--micro-batch-size", "micro_batch_size", int), ("--global-batch-size", "global_batch_size", int),
@@ -81,10 +88,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
                         default=None, help="GroupedMLP (default) or, with --no-moe-grouped-gemm, SequentialMLP")
     parser.add_argument("--moe-router-enable-expert-bias", dest="moe_router_enable_expert_bias",
                         action="store_true", default=None, help="aux-loss-free balancing (DeepSeek-V3)")
+    parser.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=None,
+                        help="split the sequence over the TP ranks (required with --tensor-model-parallel-size > 1)")
     args = vars(parser.parse_args(argv))
     model_overrides = {field: args[field] for _, field, _ in MODEL_FLAGS}
     model_overrides.update(moe_grouped_gemm=args["moe_grouped_gemm"],
-                           moe_router_enable_expert_bias=args["moe_router_enable_expert_bias"])
+                           moe_router_enable_expert_bias=args["moe_router_enable_expert_bias"],
+                           sequence_parallel=args["sequence_parallel"])
     training_overrides = {field: args[field] for _, field, _ in TRAINING_FLAGS}
     training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"],
                               compile=args["compile"], finetune=args["finetune"],
@@ -101,8 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     """Parse, initialise the ranks, pretrain. A diverged run exits with status 1 and its reason on stderr."""
     model_config, training_config = parse_args(argv)
     timeout = datetime.timedelta(minutes=training_config.distributed_timeout_minutes)
-    pg = init_distributed(model_config.expert_model_parallel_size, num_moe_experts=model_config.num_moe_experts,
-                          timeout=timeout)
+    pg = init_distributed(model_config.expert_model_parallel_size,
+                          tensor_model_parallel_size=model_config.tensor_model_parallel_size,
+                          expert_tensor_parallel_size=model_config.expert_tensor_parallel_size,
+                          num_moe_experts=model_config.num_moe_experts, timeout=timeout)
     try:
         pretrain(model_config, training_config, pg_collection=pg)
     except TrainingDivergedError as e:

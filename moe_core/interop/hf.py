@@ -91,16 +91,17 @@ def build_empty_model(config: TransformerConfig, pg_collection=None, *, device: 
     return model
 
 
-def load_hf_weights(model: torch.nn.Module, path: str | Path, pg_collection=None) -> dict[str, tuple[int, int]]:
+def load_hf_weights(model: torch.nn.Module, path: str | Path, pg_collection=None) -> dict[str, int]:
     """Copy an HF checkpoint's tensors into ``model``, reading on this rank only the tensors and rows it holds.
 
     ``model`` is a ``GPTModel`` (its ``config`` must match the checkpoint's), possibly holding only this EP
     rank's experts (``pg_collection``: ``ProcessGroupCollection.local_expert_indices``) and possibly wrapped
-    with FSDP2 or replicate: a ``Shard(0)`` parameter reads its rows only, a ``Replicate`` one all of them.
-    Not collective: every rank reads its own part.
+    with FSDP2 or replicate: a ``Shard(0)`` parameter reads its rows only, a ``Shard(1)`` one (a gated fc1
+    weight, ``fsdp.fsdp_shard_placement``) its columns only, a ``Replicate`` one all of it. Not collective: every
+    rank reads its own part. Not for tensor parallelism (2-D meshes raise).
 
     Returns:
-        The HF rows read, ``{key: (start, stop)}``.
+        The elements read per HF tensor, ``{key: count}``.
     Raises:
         ValueError: parameters without a mapping (e.g. ``moe_grouped_gemm=False``), tensors missing from or
             unexpected in the checkpoint, shapes that differ, or an expert split other than
@@ -118,15 +119,15 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path, pg_collection=None
     with SafetensorsReader(path) as reader:
         _check_tensors(expected, reader)
         for name, param in params.items():
-            local, start = _held_rows(name, param)
+            local, start, column = _held_block(name, param)
             src = sources[name]
             if isinstance(src, ExpertStack):
                 if param.shape[0] * ep_size != src.num_experts:
                     raise ValueError(f"{name}: expected {src.num_experts} / EP {ep_size} experts, "
                                      f"got {param.shape[0]}")
                 start += offset
-            fill_rows(local, src, reader, start)
-        return dict(reader.rows_read)
+            fill_rows(local, src, reader, start, column)
+        return dict(reader.elements_read)
 
 
 def _check_tensors(expected: dict[str, tuple[int, ...]], reader: SafetensorsReader) -> None:
@@ -140,21 +141,24 @@ def _check_tensors(expected: dict[str, tuple[int, ...]], reader: SafetensorsRead
             raise ValueError(f"checkpoint: {key} has shape {reader.shape(key)}, the config implies {shape}")
 
 
-def _held_rows(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's part of ``param`` (a tensor sharing its storage) and the global row it starts at."""
+def _held_block(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int, int | None]:
+    """This rank's part of ``param`` (a tensor sharing its storage), the global row it starts at and, for a
+    ``Shard(1)`` parameter, the global column (else None)."""
     if not isinstance(param, DTensor):
-        return param.detach(), 0
-    placements, rows = param.placements, param.shape[0]
+        return param.detach(), 0, None
+    placements = param.placements
     local = param.to_local().detach()
-    if param.device_mesh.ndim != 1 or not (placements[0].is_replicate() or placements[0] == Shard(0)):
-        raise ValueError(f"{name}: expected a 1-D mesh with Replicate or Shard(0), got {placements}")
+    if param.device_mesh.ndim != 1 or not (placements[0].is_replicate() or placements[0] in (Shard(0), Shard(1))):
+        raise ValueError(f"{name}: expected a 1-D mesh with Replicate, Shard(0) or Shard(1), got {placements}")
     if placements[0].is_replicate():
-        return local, 0
-    chunk = -(-rows // param.device_mesh.size())  # torch.chunk's split, as FSDP2 shards
-    start = min(param.device_mesh.get_local_rank() * chunk, rows)
-    if local.shape[0] != min(chunk, rows - start):
-        raise ValueError(f"{name}: local shard of {local.shape[0]} rows, expected {min(chunk, rows - start)}")
-    return local, start
+        return local, 0, None
+    dim = placements[0].dim
+    size = param.shape[dim]
+    chunk = -(-size // param.device_mesh.size())  # torch.chunk's split, as FSDP2 shards
+    start = min(param.device_mesh.get_local_rank() * chunk, size)
+    if local.shape[dim] != min(chunk, size - start):
+        raise ValueError(f"{name}: local shard of {local.shape[dim]} in dim {dim}, expected {min(chunk, size - start)}")
+    return (local, start, None) if dim == 0 else (local, 0, start)
 
 
 def save_hf(model: torch.nn.Module, config: TransformerConfig, out_dir: str | Path, *,

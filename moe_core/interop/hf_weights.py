@@ -3,8 +3,9 @@
 Legend: L layers, H hidden, V vocabulary, Nq / Nkv query / key-value heads, D head dim, E experts, F expert
 (or dense) ffn width.
 
-A moe_core parameter is either HF tensors stacked along dim 0 (``RowConcat``: ``linear_qkv`` is q, k, v; a
-dense ``linear_fc1`` is gate, up) or a ``GroupedMLP`` weight whose expert e is HF's per-expert tensors
+A moe_core parameter is either row blocks of HF tensors stacked along dim 0 (``RowConcat``: ``linear_qkv``
+holds each query group's q heads, k head and v head in turn, Megatron's layout ``qkv_row_blocks``; a dense
+``linear_fc1`` is gate, up) or a ``GroupedMLP`` weight whose expert e is HF's per-expert tensors
 stacked and transposed (``ExpertStack``: ``fc1[e] [H, 2F] = cat(gate_e [F, H], up_e [F, H]).T``, gate half
 first; ``fc2[e] [F, H] = down_e.T``). HF checkpoints keep one tensor per expert (the Hub's layout, and what
 ``save_pretrained`` writes), so a rank can read exactly the experts and rows it holds.
@@ -22,6 +23,7 @@ from safetensors import safe_open
 
 from moe_core.config import TransformerConfig
 from moe_core.interop.hf_config import hf_architecture
+from moe_core.models.attention import qkv_row_blocks
 
 # (MoE block, gate, up, down) names of the HF expert tensors.
 EXPERT_NAMES = {
@@ -35,9 +37,10 @@ SINGLE_FILE = "model.safetensors"
 
 @dataclass(frozen=True)
 class RowConcat:
-    """A moe_core tensor that is the HF tensors ``pieces`` ((key, rows), ...) stacked along dim 0."""
+    """A moe_core tensor whose rows are ``pieces`` ((key, start, stop), ...) stacked along dim 0: rows
+    ``start:stop`` of HF tensor ``key``, in order; together the blocks of a key cover all its rows."""
 
-    pieces: tuple[tuple[str, int], ...]
+    pieces: tuple[tuple[str, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -62,15 +65,15 @@ def weight_map(config: TransformerConfig) -> dict[str, RowConcat | ExpertStack]:
     hidden = c.hidden_size
 
     def one(key: str, rows: int) -> RowConcat:
-        return RowConcat(((key, rows),))
+        return RowConcat(((key, 0, rows),))
 
     out: dict[str, RowConcat | ExpertStack] = {"embedding.weight": one("model.embed_tokens.weight", c.vocab_size)}
     for i in range(c.num_layers):
         ours, attn, theirs = f"decoder.layers.{i}", f"model.layers.{i}.self_attn", f"model.layers.{i}"
         out[f"{ours}.input_layernorm.weight"] = one(f"{theirs}.input_layernorm.weight", hidden)
-        out[f"{ours}.self_attention.linear_qkv.weight"] = RowConcat((
-            (f"{attn}.q_proj.weight", heads_q * dim), (f"{attn}.k_proj.weight", heads_kv * dim),
-            (f"{attn}.v_proj.weight", heads_kv * dim)))
+        out[f"{ours}.self_attention.linear_qkv.weight"] = RowConcat(tuple(
+            (f"{attn}.{section}_proj.weight", start, stop)
+            for section, start, stop in qkv_row_blocks(heads_q, heads_kv, dim)))
         out[f"{ours}.self_attention.linear_proj.weight"] = one(f"{attn}.o_proj.weight", hidden)
         if c.qk_layernorm:
             per_head = c.qk_layernorm_span == "head"
@@ -89,7 +92,7 @@ def weight_map(config: TransformerConfig) -> dict[str, RowConcat | ExpertStack]:
         else:
             ffn = c.ffn_hidden_size
             out[f"{ours}.mlp.linear_fc1.weight"] = RowConcat(
-                ((f"{theirs}.mlp.gate_proj.weight", ffn), (f"{theirs}.mlp.up_proj.weight", ffn)))
+                ((f"{theirs}.mlp.gate_proj.weight", 0, ffn), (f"{theirs}.mlp.up_proj.weight", 0, ffn)))
             out[f"{ours}.mlp.linear_fc2.weight"] = one(f"{theirs}.mlp.down_proj.weight", hidden)
     out["decoder.final_layernorm.weight"] = one("model.norm.weight", hidden)
     if not c.share_embeddings_and_output_weights:
@@ -103,7 +106,8 @@ def hf_shapes(sources: dict[str, RowConcat | ExpertStack], shapes: dict[str, tor
     out: dict[str, tuple[int, ...]] = {}
     for name, src in sources.items():
         if isinstance(src, RowConcat):
-            out.update({key: (rows, *shapes[name][1:]) for key, rows in src.pieces})
+            for key, _, stop in src.pieces:
+                out[key] = (max(stop, out.get(key, (0,))[0]), *shapes[name][1:])
         else:
             for e in range(src.num_experts):
                 out.update({key: (rows, shapes[name][1]) for key, (_, rows) in zip(src.keys(e), src.pieces,
@@ -121,7 +125,7 @@ class SafetensorsReader:
     """Rows of the tensors of an HF directory's safetensors files (``model.safetensors``, or the shards of
     ``model.safetensors.index.json``), read lazily: only the rows asked for leave the file.
 
-    Records each read in ``rows_read`` (key -> (start, stop)). Use as a context manager (closes the files).
+    Counts the elements read per key in ``elements_read``. Use as a context manager (closes the files).
 
     Raises:
         FileNotFoundError: the directory has neither file.
@@ -139,7 +143,7 @@ class SafetensorsReader:
             raise FileNotFoundError(f"path: expected {SINGLE_FILE} or {INDEX_FILE} in {directory}")
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
-        self.rows_read: dict[str, tuple[int, int]] = {}
+        self.elements_read: dict[str, int] = {}
 
     def __enter__(self) -> SafetensorsReader:
         return self
@@ -156,35 +160,44 @@ class SafetensorsReader:
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
-    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``[start, stop)`` of tensor ``key`` (dim 0)."""
-        self.rows_read[key] = (start, stop)
-        return self._slice(key)[start:stop]
+    def rows(self, key: str, start: int, stop: int, columns: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``key`` (dim 0), only ``columns`` ``(first, last)`` of dim 1 when given
+        (safetensors reads just those bytes)."""
+        block = self._slice(key)[start:stop] if columns is None else self._slice(key)[start:stop, columns[0]:columns[1]]
+        self.elements_read[key] = self.elements_read.get(key, 0) + block.numel()
+        return block
 
 
 @torch.no_grad()
-def fill_rows(dest: torch.Tensor, src: RowConcat | ExpertStack, reader: SafetensorsReader, start: int) -> None:
+def fill_rows(dest: torch.Tensor, src: RowConcat | ExpertStack, reader: SafetensorsReader, start: int,
+              column: int | None = None) -> None:
     """Copy rows ``[start, start + len(dest))`` of the moe_core tensor ``src`` describes into ``dest``
-    (dtype and device converted), reading only those rows (for ``ExpertStack``: those experts)."""
+    (dtype and device converted), reading only those rows (for ``ExpertStack``: those experts); with
+    ``column``, only dim-1 entries ``[column, column + dest.shape[1])`` of a ``RowConcat``."""
     stop = start + dest.shape[0]
+    columns = None if column is None else (column, column + dest.shape[1])
     if isinstance(src, ExpertStack):
         for row, expert in enumerate(range(start, stop)):
             pieces = [reader.rows(key, 0, rows) for key, (_, rows) in zip(src.keys(expert), src.pieces, strict=True)]
             dest[row].copy_(torch.cat(pieces).t())
         return
     offset = 0
-    for key, rows in src.pieces:
-        lo, hi = max(start, offset), min(stop, offset + rows)
+    for key, first, last in src.pieces:
+        lo, hi = max(start, offset), min(stop, offset + last - first)
         if lo < hi:
-            dest[lo - start:hi - start].copy_(reader.rows(key, lo - offset, hi - offset))
-        offset += rows
+            dest[lo - start:hi - start].copy_(reader.rows(key, first + lo - offset, first + hi - offset, columns))
+        offset += last - first
 
 
 def hf_tensors(src: RowConcat | ExpertStack, value: torch.Tensor):
     """The HF tensors ``(key, tensor)`` of the full moe_core tensor ``value`` (contiguous, own storage)."""
     if isinstance(src, RowConcat):
-        for key, part in zip((k for k, _ in src.pieces), value.split([r for _, r in src.pieces]), strict=True):
-            yield key, part.clone(memory_format=torch.contiguous_format)
+        blocks: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        parts = value.split([last - first for _, first, last in src.pieces])
+        for (key, first, _), part in zip(src.pieces, parts, strict=True):
+            blocks.setdefault(key, []).append((first, part))
+        for key, ordered in blocks.items():
+            yield key, torch.cat([part for _, part in sorted(ordered, key=lambda b: b[0])])
         return
     for expert in range(src.num_experts):
         parts = value[expert].t().split([r for _, r in src.pieces])

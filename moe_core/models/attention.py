@@ -17,9 +17,29 @@ from moe_core.mlp import init_linear
 from moe_core.models.rope import apply_rope
 
 
+def qkv_row_blocks(num_heads: int, num_query_groups: int, head_dim: int) -> list[tuple[str, int, int]]:
+    """Megatron's ``linear_qkv`` output layout as ``(section, start, stop)`` row blocks, in order.
+
+    Query group g (of ``num_query_groups``) owns ``(m + 2) * D`` consecutive rows, ``m = num_heads //
+    num_query_groups``: its m query heads (heads ``g * m .. g * m + m - 1``), then key head g, then value head
+    g. ``section`` is ``"q"``, ``"k"`` or ``"v"``; ``start:stop`` are rows of that section in the head-major
+    layout of separate q / k / v projections (Hugging Face's ``q_proj`` / ``k_proj`` / ``v_proj``). Splitting
+    the rows into equal contiguous parts splits whole query groups, which is what tensor parallelism does.
+    """
+    m, d = num_heads // num_query_groups, head_dim
+    blocks = []
+    for g in range(num_query_groups):
+        blocks += [("q", g * m * d, (g + 1) * m * d), ("k", g * d, (g + 1) * d), ("v", g * d, (g + 1) * d)]
+    return blocks
+
+
 class SelfAttention(nn.Module):
-    """``linear_qkv`` (H -> (Nq + 2 Nkv) D, q then k then v) -> QK-norm -> RoPE -> causal SDPA with GQA ->
-    ``linear_proj`` (Nq D -> H).
+    """``linear_qkv`` (H -> (Nq + 2 Nkv) D, grouped as ``qkv_row_blocks`` describes) -> QK-norm -> RoPE ->
+    causal SDPA with GQA -> ``linear_proj`` (Nq D -> H).
+
+    Under tensor parallelism (``moe_core.parallel.tensor_parallel``) ``linear_qkv`` holds whole query groups
+    and ``linear_proj`` the matching input columns; the forward reads its head counts off the tensors, so it
+    runs unchanged on 1/TP of the heads.
 
     QK-norm (``qk_layernorm``; Megatron's ``q_layernorm`` / ``k_layernorm``), before RoPE: RMSNorm over D on
     each query and key head (``qk_layernorm_span="head"``, Qwen3), or over the whole q projection [Nq D] and
@@ -51,23 +71,20 @@ class SelfAttention(nn.Module):
         """``hidden`` ``[B, S, H]`` and ``rope_cos_sin`` (``cos``, ``sin`` ``[S, D]`` from
         ``moe_core.models.rope.rope_cos_sin``) -> ``[B, S, H]`` in hidden's dtype."""
         batch, seq, _ = hidden_BSH.shape
-        q, k, v = self.linear_qkv(hidden_BSH).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim],
-            dim=-1,
-        )
+        per_group, dim = self.num_heads // self.num_kv_heads, self.head_dim
+        qkv_BSGXD = self.linear_qkv(hidden_BSH).view(batch, seq, -1, per_group + 2, dim)  # G groups (here)
+        q_BSND = qkv_BSGXD[:, :, :, :per_group].reshape(batch, seq, -1, dim)
+        k_BSND, v_BSND = qkv_BSGXD[:, :, :, per_group], qkv_BSGXD[:, :, :, per_group + 1]
         if self.q_layernorm is not None and not self.qk_layernorm_per_head:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
-        q_BNSD = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
-        k_BNSD = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v_BNSD = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q_BSND = self.q_layernorm(q_BSND.flatten(2)).view_as(q_BSND)
+            k_BSND = self.k_layernorm(k_BSND.flatten(2)).view_as(k_BSND)
+        q_BNSD, k_BNSD, v_BNSD = q_BSND.transpose(1, 2), k_BSND.transpose(1, 2), v_BSND.transpose(1, 2)
         if self.q_layernorm is not None and self.qk_layernorm_per_head:
             q_BNSD, k_BNSD = self.q_layernorm(q_BNSD), self.k_layernorm(k_BNSD)
         cos, sin = rope_cos_sin
         q_BNSD, k_BNSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BNSD, cos, sin)
-        out_BNSD = F.scaled_dot_product_attention(
-            q_BNSD, k_BNSD, v_BNSD, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
-        )
-        return self.linear_proj(out_BNSD.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+        out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, enable_gqa=per_group != 1)
+        return self.linear_proj(out_BNSD.transpose(1, 2).reshape(batch, seq, -1))
 
 
-__all__ = ["SelfAttention"]
+__all__ = ["SelfAttention", "qkv_row_blocks"]

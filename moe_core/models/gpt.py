@@ -8,11 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from moe_core.config import TransformerConfig
+from moe_core.models.cross_entropy import chunked_cross_entropy
 from moe_core.models.transformer_block import TransformerBlock
 from moe_core.moe.moe_layer import MoELayer
-from moe_core.parallel.process_groups import ProcessGroupCollection, check_ep_size
+from moe_core.parallel.process_groups import ProcessGroupCollection, check_ep_size, check_tp_sizes
+from moe_core.parallel.tp_weights import tp_full
 
 
 class GPTModel(nn.Module):
@@ -22,19 +25,24 @@ class GPTModel(nn.Module):
     ``output_layer`` is None), else its own ``nn.Linear(H, V, bias=False)``. Init: embedding and output weights
     normal(0, init_method_std); see ``SelfAttention`` and ``MLP`` for the rest.
 
+    Under tensor parallelism the model is built whole and split by
+    ``moe_core.parallel.tensor_parallel.apply_tensor_parallel`` before its first forward; each TP rank then
+    computes the loss of its slice of the sequence and the forward returns the whole ``[B, S]`` loss.
+
     Args:
         config: ``TransformerConfig``.
-        pg_collection: the process groups for expert parallelism (this rank then holds ``num_moe_experts / EP``
-            experts per MoE layer), or None for one rank holding every expert.
+        pg_collection: the process groups (this rank then holds ``num_moe_experts / EP`` experts per MoE
+            layer), or None for one rank holding every expert.
     Raises:
-        ValueError: the EP size of ``pg_collection`` (1 for None) differs from
-            ``config.expert_model_parallel_size``.
+        ValueError: the EP, TP or ETP size of ``pg_collection`` (1 for None) differs from the config's.
     """
 
     def __init__(self, config: TransformerConfig, pg_collection: ProcessGroupCollection | None = None):
         super().__init__()
         check_ep_size(config.expert_model_parallel_size, pg_collection)
+        check_tp_sizes(config, pg_collection)
         self.config = config
+        self.tp_mesh = None if pg_collection is None else pg_collection.tp_mesh
         self.embedding = nn.Embedding(config.vocab_size, config.hidden_size)
         nn.init.normal_(self.embedding.weight, mean=0.0, std=config.init_method_std)
         self.decoder = TransformerBlock(config, pg_collection)
@@ -55,26 +63,43 @@ class GPTModel(nn.Module):
             float32 in nats (Megatron's convention: the caller reduces it), a tensor of its own rather than a
             view, so the caller may mask it in place. The output matmul runs in the autocast / parameter dtype
             and its result is upcast before the softmax (Megatron and Hugging Face do the same: an fp32 matmul
-            over the vocabulary would cost as much as several layers).
+            over the vocabulary would cost as much as several layers); with ``cross_entropy_chunk_size`` the
+            loss never holds the ``[B * S, V]`` logits at once (``chunked_cross_entropy``). Under TP every rank
+            of the TP group returns the same tensor; the gradient reaching it flows back only through the
+            rank's own tokens.
         Raises:
             TypeError: ``input_ids`` is not an int64 / int32 tensor, or ``labels`` not an int64 one.
-            ValueError: ``input_ids`` is not 2-D, or ``labels`` has another shape.
+            ValueError: ``input_ids`` is not 2-D, ``labels`` has another shape, or under TP S is not a multiple
+                of the TP size.
         """
         _check_ids("input_ids", input_ids, (torch.int64, torch.int32))
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [B, S], got shape {tuple(input_ids.shape)}")
-        hidden_BSH = self.decoder(self.embedding(input_ids))
-        weight = self.embedding.weight if self.output_layer is None else self.output_layer.weight
-        logits_BSV = F.linear(hidden_BSH, weight).float()
+        if labels is not None:
+            _check_ids("labels", labels, (torch.int64,))
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        tp = 1 if self.tp_mesh is None else self.tp_mesh.size()
+        if input_ids.shape[1] % tp:
+            raise ValueError(f"input_ids: sequence length {input_ids.shape[1]} must be a multiple of the TP size {tp}")
+        hidden_BSH = self.decoder(self.embedding(input_ids))  # under TP: this rank's [B, S / tp, H]
+        weight = tp_full(self.embedding.weight if self.output_layer is None else self.output_layer.weight)
         if labels is None:
-            return logits_BSV
-        _check_ids("labels", labels, (torch.int64,))
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
-        loss_T = F.cross_entropy(logits_BSV.flatten(0, 1), labels.flatten(), reduction="none")
+            return self._gather_sequence(F.linear(hidden_BSH, weight).float())
+        if tp > 1:
+            labels = labels.chunk(tp, dim=1)[self.tp_mesh.get_local_rank()]
+        loss_T = chunked_cross_entropy(hidden_BSH.flatten(0, 1), weight, labels.flatten(),
+                                       self.config.cross_entropy_chunk_size)
         # A fresh [B, S] tensor, not a view of loss_T: FSDP2 hooks its backward on the module's outputs, and an
         # in-place op on a returned view (a caller's `loss[mask] = 0`) would drop that hook.
-        return loss_T.view(labels.shape).clone()
+        return self._gather_sequence(loss_T.view(labels.shape)).clone()
+
+    def _gather_sequence(self, local_BS: torch.Tensor) -> torch.Tensor:
+        """Under TP, ``[B, S / tp, ...]`` of every TP rank -> ``[B, S, ...]`` on each (all-gather); backward
+        keeps this rank's slice of the gradient (every rank's gradient is the same, so no collective)."""
+        if self.tp_mesh is None:
+            return local_BS
+        return DTensor.from_local(local_BS, self.tp_mesh, [Shard(1)], run_check=False).full_tensor()
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in depth order (``.router`` holds aux losses, loads, expert bias, ``aux_loss_scale``)."""

@@ -43,16 +43,20 @@ class TransformerBlock(nn.Module):
     """``layers`` then ``final_layernorm`` (Megatron's ``decoder``): ``[B, S, H] -> [B, S, H]``.
 
     The RoPE angles are computed once per forward and shared by every layer (Megatron's ``rotary_pos_emb``).
+    Under sequence parallelism ``hidden`` is this rank's ``[B, S / tp, H]`` and the angles cover all S
+    positions (attention sees the whole sequence).
     """
 
     def __init__(self, config: TransformerConfig, pg_collection: ProcessGroupCollection | None = None):
         super().__init__()
         self.config = config
+        self.sequence_parallel_size = 1 if pg_collection is None else pg_collection.tp_size
         self.layers = nn.ModuleList(TransformerLayer(config, i, pg_collection) for i in range(config.num_layers))
         self.final_layernorm = nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
 
     def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
-        rope = rope_cos_sin(hidden_BSH.shape[1], self.config.kv_channels, self.config.rotary_base, hidden_BSH.device)
+        seq = hidden_BSH.shape[1] * self.sequence_parallel_size
+        rope = rope_cos_sin(seq, self.config.kv_channels, self.config.rotary_base, hidden_BSH.device)
         for layer in self.layers:
             hidden_BSH = layer(hidden_BSH, rope)
         return self.final_layernorm(hidden_BSH)

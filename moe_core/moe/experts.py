@@ -5,11 +5,16 @@ experts.
 
 Both follow Megatron's expert contract ``forward(permuted_local_hidden_states [R, H], tokens_per_expert [E],
 permuted_probs [R]) -> (output [R, H], None)`` and compute, per row of expert e with prob p,
-``p * (act(x @ W1_e + b1_e) @ W2_e + b2_e)``: the probs multiply the activation before fc2 and the fc2 bias
-(Megatron's ``activation_func_with_probs`` and TEGroupedMLP's ``_apply_bias``), so a padding row with p = 0
+``p * (act(x @ W1_e + b1_e) @ W2_e + b2_e)``: by default the probs multiply the activation before fc2 and the
+fc2 bias (Megatron's ``activation_func_with_probs`` and TEGroupedMLP's ``_apply_bias``); with
+``moe_apply_probs_on_output`` they multiply the expert's output instead. Either way a padding row with p = 0
 gives exactly 0 and combine only sums. Every expert's linears run on every call, also with R == 0 or an
 expert without rows, so every rank builds the same autograd graph and every expert weight gets a gradient
 (exactly zero when it saw no row), never None.
+
+Under expert tensor parallelism the weights are DTensors of the ETP mesh (fc1 split by output columns, fc2 by
+input rows, ``moe_core.parallel.tensor_parallel``) and each rank computes with its shard
+(``tp_weights.local_shard``): its output rows are partial sums, reduced by ``MoELayer``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from moe_core.config import TransformerConfig
 from moe_core.mlp import MLP
 from moe_core.ops import grouped_gemm
 from moe_core.ops.swiglu import swiglu_with_probs
+from moe_core.parallel.tp_weights import local_shard
 
 
 class GroupedLinear(nn.Module):
@@ -44,7 +50,7 @@ class GroupedLinear(nn.Module):
 
         Each row gets its expert's bias, times ``row_scale [R]`` when given.
         """
-        out = grouped_gemm(x, self.weight, tokens_per_expert)
+        out = grouped_gemm(x, local_shard(self.weight), tokens_per_expert)
         if self.bias is None:
             return out
         # output_size keeps repeat_interleave from reading the counts on the host.
@@ -52,7 +58,7 @@ class GroupedLinear(nn.Module):
             torch.arange(self.weight.shape[0], device=x.device), tokens_per_expert.to(x.device),
             output_size=x.shape[0],
         )
-        bias_rows = self.bias.index_select(0, expert_ids)
+        bias_rows = local_shard(self.bias).index_select(0, expert_ids)
         if row_scale is not None:
             bias_rows = bias_rows * row_scale.unsqueeze(-1)
         return out + bias_rows.to(out.dtype)
@@ -67,7 +73,8 @@ class GroupedMLP(nn.Module):
 
     Args:
         num_local_experts: E, experts held by this rank.
-        config: hidden_size, moe_ffn_hidden_size, activation_func, add_bias_linear, init_method_std, num_layers.
+        config: hidden_size, moe_ffn_hidden_size, activation_func, add_bias_linear, init_method_std, num_layers,
+            moe_apply_probs_on_output.
     """
 
     def __init__(self, num_local_experts: int, config: TransformerConfig):
@@ -78,6 +85,7 @@ class GroupedMLP(nn.Module):
         std = config.init_method_std
         self.num_local_experts = num_local_experts
         self.activation_func = config.activation_func
+        self.probs_on_output = config.moe_apply_probs_on_output
         self.fc1 = GroupedLinear(num_local_experts, config.hidden_size, fc1_out, config.add_bias_linear, std)
         self.fc2 = GroupedLinear(num_local_experts, ffn, config.hidden_size, config.add_bias_linear,
                                  std / math.sqrt(2 * config.num_layers))
@@ -90,6 +98,9 @@ class GroupedMLP(nn.Module):
         """
         x = permuted_local_hidden_states
         check_expert_inputs(x, tokens_per_expert, permuted_probs, self.num_local_experts, self.fc1.weight.shape[1])
+        if self.probs_on_output:
+            out = self.fc2(activation(self.fc1(x, tokens_per_expert), self.activation_func), tokens_per_expert)
+            return _scale_rows(out, permuted_probs), None
         intermediate = _activation_with_probs(self.fc1(x, tokens_per_expert), self.activation_func, permuted_probs)
         return self.fc2(intermediate, tokens_per_expert, row_scale=permuted_probs), None
 
@@ -107,6 +118,7 @@ class SequentialMLP(nn.Module):
         _check_expert_config(num_local_experts, config)
         self.num_local_experts = num_local_experts
         self.activation_func = config.activation_func
+        self.probs_on_output = config.moe_apply_probs_on_output
         self.local_experts = nn.ModuleList(MLP(config, config.moe_ffn_hidden_size) for _ in range(num_local_experts))
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
@@ -120,10 +132,17 @@ class SequentialMLP(nn.Module):
             raise ValueError(f"tokens_per_expert: expected counts summing to R={x.shape[0]}, got {counts}")
         outputs = []
         for expert, x_e, p_e in zip(self.local_experts, x.split(counts), permuted_probs.split(counts), strict=True):
-            h_e = _activation_with_probs(expert.linear_fc1(x_e), self.activation_func, p_e)
-            out_e = nn.functional.linear(h_e, expert.linear_fc2.weight)
-            if expert.linear_fc2.bias is not None:
-                out_e = out_e + (expert.linear_fc2.bias * p_e.unsqueeze(-1)).to(out_e.dtype)
+            fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+            fc1_out = nn.functional.linear(x_e, local_shard(fc1.weight), local_shard(fc1.bias))
+            if self.probs_on_output:
+                out_e = nn.functional.linear(activation(fc1_out, self.activation_func), local_shard(fc2.weight),
+                                             local_shard(fc2.bias))
+                outputs.append(_scale_rows(out_e, p_e))
+                continue
+            out_e = nn.functional.linear(_activation_with_probs(fc1_out, self.activation_func, p_e),
+                                         local_shard(fc2.weight))
+            if fc2.bias is not None:
+                out_e = out_e + (local_shard(fc2.bias) * p_e.unsqueeze(-1)).to(out_e.dtype)
             outputs.append(out_e)
         return torch.cat(outputs, dim=0), None
 
@@ -170,11 +189,15 @@ def check_expert_inputs(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs:
 
 
 def _activation_with_probs(fc1_out: torch.Tensor, name: str, probs: torch.Tensor) -> torch.Tensor:
-    # SwiGLU runs fused with the probs (one pass each way, float32 inside). Otherwise the product is taken in
-    # the wider of the two dtypes (fp32 probs with bf16 activations), then cast back.
+    # SwiGLU runs fused with the probs (one pass each way, float32 inside).
     if name == "swiglu":
         return swiglu_with_probs(fc1_out, probs)
-    return (activation(fc1_out, name) * probs.unsqueeze(-1)).to(fc1_out.dtype)
+    return _scale_rows(activation(fc1_out, name), probs)
+
+
+def _scale_rows(out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    # The product in the wider of the two dtypes (fp32 probs with bf16 outputs), then cast back.
+    return (out * probs.unsqueeze(-1)).to(out.dtype)
 
 
 def _check_expert_config(num_local_experts: int, config: TransformerConfig) -> None:

@@ -71,7 +71,8 @@ def switch_load_balancing_loss(scores_TE: torch.Tensor, tokens_per_expert_E: tor
     return num_experts * (fraction_E * mean_scores_E).sum()
 
 
-def sequence_load_balancing_loss(scores_BSE: torch.Tensor, routing_map_BSE: torch.Tensor, topk: int
+def sequence_load_balancing_loss(scores_BSE: torch.Tensor, routing_map_BSE: torch.Tensor, topk: int, *,
+                                 counts_BE: torch.Tensor | None = None, seq_length: int | None = None
                                  ) -> torch.Tensor:
     """The Switch loss of each sequence on its own, averaged over the B sequences (DeepSeek-V2's
     sequence-wise balance loss; Megatron's ``seq_aux_loss``).
@@ -79,11 +80,17 @@ def sequence_load_balancing_loss(scores_BSE: torch.Tensor, routing_map_BSE: torc
     Args:
         scores_BSE: ``[B, S, E]`` float scores; routing_map_BSE: ``[B, S, E]`` bool.
         topk: K.
+        counts_BE / seq_length: when the sequences are split (sequence parallelism), the routed rows per
+            sequence and expert and the length of the whole sequences; the loss is then this part's share
+            (the parts' losses sum to the whole sequences' loss). None: from ``routing_map_BSE``.
     Returns:
         A scalar in ``scores_BSE``'s dtype.
     """
     batch, seq, num_experts = scores_BSE.shape
-    counts_BE = routing_map_BSE.sum(dim=1).to(scores_BSE.dtype)
+    seq = seq if seq_length is None else seq_length
+    if counts_BE is None:
+        counts_BE = routing_map_BSE.sum(dim=1)
+    counts_BE = counts_BE.to(scores_BSE.dtype)
     weighted = (scores_BSE.sum(dim=1) * counts_BE).sum()
     return weighted * (num_experts / (topk * max(seq, 1) ** 2 * max(batch, 1)))
 

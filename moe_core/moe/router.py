@@ -25,6 +25,7 @@ from moe_core.moe.load_balancing import (
     switch_load_balancing_loss,
     z_loss,
 )
+from moe_core.parallel.tp_weights import tp_full
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, None: None}
 # Kept in float32 whatever dtype the module is cast to: bf16 would round away the bias's 1e-3 steps and
@@ -89,11 +90,19 @@ class TopKRouter(nn.Module):
       is the pooled fraction (equal to Megatron's for equal-sized micro-batches) and each rank's loss is a
       full Switch loss, so the trainer's ``aux_loss_scale`` averages it over ranks like the main loss.
 
+    Tensor parallelism (``tp_group``, with sequence parallelism): each TP rank routes its own slice of the
+    tokens, and each loss of a rank is its share of the loss of the whole micro-batch (the TP ranks' shares
+    sum to it, so the gradients equal TP 1's): the routed counts are summed over ``tp_group`` and every mean
+    is over all the TP group's tokens. ``aux_losses`` then holds this rank's shares. ``weight`` is a
+    ``Replicate`` DTensor of the TP mesh; its gradient is reduced over the TP group once per forward, where
+    the logits read it (``tp_weights.tp_full``).
+
     Args:
         config: ``TransformerConfig`` with ``num_moe_experts`` set.
         tp_dp_group: process group over which ``global_aux_loss`` sums its token counts (the ranks that see
             different tokens); None counts this process's tokens only. Every rank of it must run the same
             number of training forwards.
+        tp_group: the TP group whose ranks hold the other slices of this rank's sequences; None: no TP.
 
     Attributes:
         weight: ``[E, H]`` parameter, init normal(0, ``init_method_std``).
@@ -115,7 +124,8 @@ class TopKRouter(nn.Module):
         ValueError: ``config.num_moe_experts`` is None.
     """
 
-    def __init__(self, config: TransformerConfig, tp_dp_group: dist.ProcessGroup | None = None):
+    def __init__(self, config: TransformerConfig, tp_dp_group: dist.ProcessGroup | None = None,
+                 tp_group: dist.ProcessGroup | None = None):
         super().__init__()
         if config.num_moe_experts is None:
             raise ValueError("config.num_moe_experts: TopKRouter needs a number of experts, got None")
@@ -123,6 +133,8 @@ class TopKRouter(nn.Module):
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.tp_dp_group = tp_dp_group
+        self.tp_group = tp_group
+        self.tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.router_dtype = _ROUTER_DTYPES[config.moe_router_dtype]
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         nn.init.normal_(self.weight, mean=0.0, std=config.init_method_std)
@@ -169,7 +181,7 @@ class TopKRouter(nn.Module):
         losses: dict[str, torch.Tensor] = {}
         logits_TE = self._logits(hidden.reshape(-1, hidden_size))
         if with_losses and self.config.moe_z_loss_coeff:
-            losses["z_loss"] = z_loss(logits_TE)
+            losses["z_loss"] = z_loss(logits_TE) / self.tp_size
             logits_TE = MoEAuxLossAutoScaler.apply(
                 logits_TE, losses["z_loss"] * self.config.moe_z_loss_coeff, self.aux_loss_scale
             )
@@ -207,7 +219,7 @@ class TopKRouter(nn.Module):
             hidden_TH = hidden_TH * torch.empty_like(hidden_TH).uniform_(1.0 - eps, 1.0 + eps)
         dtype = self.router_dtype or hidden_TH.dtype
         with torch.autocast(hidden_TH.device.type, enabled=self.router_dtype is None and _autocast_on(hidden_TH)):
-            logits_TE = hidden_TH.to(dtype) @ self.weight.to(dtype).t()
+            logits_TE = hidden_TH.to(dtype) @ tp_full(self.weight).to(dtype).t()
         # Scores, top-k and losses never run in bf16, whatever the GEMM ran in (Megatron: fp32 scores).
         return logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
 
@@ -241,19 +253,29 @@ class TopKRouter(nn.Module):
         scores_TE, routing_map_TE = routing_scores_for_aux_loss(logits_TE, self.config.moe_router_score_function,
                                                                 self.topk)
         num_tokens = logits_TE.shape[0]
+        routing_map_BSE = routing_map_TE.view(batch, seq, self.num_experts)
+        counts_BE = self._sum_over_tp(routing_map_BSE.sum(dim=1))  # the whole sequences' counts under TP
         losses: dict[str, torch.Tensor] = {}
         for kind in self.aux_loss_coeffs:
             if kind == "aux_loss":
-                losses[kind] = switch_load_balancing_loss(scores_TE, routing_map_TE.sum(dim=0), num_tokens, self.topk)
+                losses[kind] = switch_load_balancing_loss(
+                    scores_TE, counts_BE.sum(dim=0), num_tokens * self.tp_size, self.topk) / self.tp_size
             elif kind == "seq_aux_loss":
                 losses[kind] = sequence_load_balancing_loss(
-                    scores_TE.view(batch, seq, self.num_experts),
-                    routing_map_TE.view(batch, seq, self.num_experts), self.topk
+                    scores_TE.view(batch, seq, self.num_experts), routing_map_BSE, self.topk,
+                    counts_BE=counts_BE, seq_length=seq * self.tp_size,
                 )
             else:
                 counts_E, total = self._accumulate_global_counts(routing_map_TE.sum(dim=0), num_tokens)
-                losses[kind] = switch_load_balancing_loss(scores_TE, counts_E, total, self.topk)
+                losses[kind] = switch_load_balancing_loss(scores_TE, counts_E, total, self.topk) / self.tp_size
         return losses
+
+    @torch.no_grad()
+    def _sum_over_tp(self, counts: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is not None:
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.tp_group)
+        return counts
 
     @torch.no_grad()
     def _accumulate_global_counts(self, counts_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

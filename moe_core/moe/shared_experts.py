@@ -15,6 +15,7 @@ from torch import nn
 from moe_core.config import TransformerConfig
 from moe_core.mlp import MLP
 from moe_core.moe.moe_utils import side_stream
+from moe_core.parallel.tp_weights import tp_full
 
 
 class SharedExpertMLP(MLP):
@@ -27,6 +28,9 @@ class SharedExpertMLP(MLP):
 
     ``start(hidden)`` runs the same forward so that it can overlap the dispatcher's all-to-all
     (``moe_shared_expert_overlap``); attribute ``overlap`` says whether it will, where CUDA allows.
+    Under TP (``moe_core.parallel.tensor_parallel``) fc1 and fc2 gather and scatter the tokens themselves:
+    ``hidden`` and the output are this rank's tokens, and the gate (a replicated weight) is computed on them,
+    its gradient reduced over the TP group where it is read (``tp_weights.tp_full``).
 
     Raises:
         ValueError: ``config.moe_shared_expert_intermediate_size`` is None.
@@ -46,7 +50,7 @@ class SharedExpertMLP(MLP):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = super().forward(hidden)
         if self.gate_weight is not None:
-            out = out * torch.sigmoid(hidden @ self.gate_weight.t())
+            out = out * torch.sigmoid(hidden @ tp_full(self.gate_weight).t())
         return out
 
     def start(self, hidden: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -9,6 +9,11 @@ Gradients are *summed*, never averaged: the loss is already divided by the globa
 (``moe_core.parallel.loss``), and averaging would scale dense gradients by 1/dp and expert gradients by
 1/expt_dp, a mismatch whenever ep > 1. Sum reduction also avoids PREMUL_SUM, which gloo lacks.
 
+With tensor parallelism the parameters are already DTensors of the TP (or ETP) mesh and FSDP2 shards them
+further over the DP (or expert-DP) mesh, which must share their root mesh (``process_groups``). It
+redistributes a ``Partial`` TP gradient (a SequenceParallel norm's) to the parameter's ``Replicate`` before
+reducing over DP. A gated fc1 weight is sharded on its input dimension (``fsdp_shard_placement``).
+
 FSDP2 reduce-scatters the gradients of every parameter of a group together; it needs every rank to produce
 a gradient for the same parameters. moe_core's experts always run every local expert (zero rows included),
 so an expert that saw no token gets an exact zero gradient instead of none (the failure in the transformers
@@ -19,8 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from moe_core.parallel.process_groups import ProcessGroupCollection
 
@@ -74,6 +81,34 @@ def wrap_per_block(model: nn.Module, pg_collection: ProcessGroupCollection, wrap
     return model
 
 
+def gated_fc1_section_dim(config, name: str) -> int | None:
+    """The dimension of parameter ``name`` that holds a gated fc1's ``[gate; up]`` halves (gate first): 0 for an
+    ``nn.Linear`` ``linear_fc1.weight`` ``[2F, H]`` (dense MLP, shared expert, ``SequentialMLP`` expert), 2 for
+    ``GroupedMLP``'s ``experts.fc1.weight`` ``[L, H, 2F]``; None for other parameters, biases, non-gated
+    activations or ``config`` None."""
+    if config is None or not config.gated_linear_unit:
+        return None
+    if name.endswith("linear_fc1.weight"):
+        return 0
+    return 2 if name.endswith("experts.fc1.weight") else None
+
+
+def fsdp_shard_placement(model: nn.Module) -> Callable[[torch.Tensor], Shard | None]:
+    """FSDP2's ``shard_placement_fn`` for ``model``: dim 0 (None, FSDP2's default) for every parameter but a
+    gated fc1 ``nn.Linear`` weight ``[gate; up]`` (``gated_fc1_section_dim`` 0), sharded on dim 1, its
+    input: then every shard holds matching rows of both halves, in every layout. A dim-0 shard would cut across
+    the halves, and under TP the rows are ``[gate_r; up_r]`` already (``_StridedShard``), which FSDP2 cannot
+    describe split again on dim 0 (checkpoints save the halves as an axis of their own, ``checkpoint_layout``).
+    """
+    config = getattr(model, "config", None)
+    halves = {id(p) for name, p in model.named_parameters() if gated_fc1_section_dim(config, name) == 0}
+
+    def placement(param: torch.Tensor) -> Shard | None:
+        return Shard(1) if id(param) in halves else None
+
+    return placement
+
+
 def apply_fsdp2(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks: Iterable[nn.Module] | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` in place with FSDP2 for EP training (Megatron's ``--use-torch-fsdp2``).
@@ -87,10 +122,11 @@ def apply_fsdp2(model: nn.Module, pg_collection: ProcessGroupCollection, *, bloc
     Returns:
         ``model``; parameters become DTensors (Shard(0) on their mesh), gradients are summed.
     """
-    kwargs = {"reshard_after_forward": reshard_after_forward}
+    kwargs = {"reshard_after_forward": reshard_after_forward, "shard_placement_fn": fsdp_shard_placement(model)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     return wrap_per_block(model, pg_collection, fully_shard, blocks=blocks, **kwargs)
 
 
-__all__ = ["apply_fsdp2", "find_blocks", "find_expert_modules", "split_expert_params", "wrap_per_block"]
+__all__ = ["apply_fsdp2", "fsdp_shard_placement", "gated_fc1_section_dim", "find_blocks", "find_expert_modules",
+           "split_expert_params", "wrap_per_block"]

@@ -1,22 +1,27 @@
 """Global gradient norm and clipping over dense and expert parameters living on different meshes.
 
 ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails for DTensors on different meshes
-(dense: DP mesh, experts: expert-DP mesh; see the TRL report in docs) and, on plain tensors, misses the
-experts held by the other EP ranks. Here each rank sums ``|g|^p`` over its local data, weights every tensor
-by ``1 / (number of ranks holding the same values)``, and one all-reduce over the world adds it all up:
+(dense: DP or DP x TP mesh, experts: expert-DP or expert-DP x ETP mesh; see the TRL report in docs) and, on
+plain tensors, misses the experts held by the other EP ranks. Here each rank sums ``|g|^p`` over its local
+data, weights every tensor by ``1 / (number of ranks holding the same values)``, and one all-reduce over the
+world adds it all up:
 
-    dense, DDP (plain or Replicate)        replicas = dp size        (identical on every rank)
-    dense, FSDP2 Shard over DP             replicas = 1              (each element on one rank)
-    expert, DDP (replicated over expt_dp)  replicas = expt_dp size   (the ep ranks hold different experts)
-    expert, FSDP2 Shard over expt_dp       replicas = 1
+    dense, DDP (plain or Replicate)             replicas = dp * tp    (identical on every rank)
+    dense, DDP, TP-split (Replicate, Shard)     replicas = dp         (each TP rank holds its own slice)
+    dense, FSDP2, TP-replicated (Shard, Repl.)  replicas = tp
+    dense, FSDP2, TP-split (Shard, Shard)       replicas = 1          (each element on one rank)
+    expert, DDP (replicated over expt_dp)       replicas = expt_dp    (EP and ETP ranks hold different slices)
+    expert, FSDP2 (Shard over expt_dp)          replicas = 1
 
 In general ``replicas = world / (mesh shards of the tensor) / (ep if expert else 1)``, with mesh shards the
-product of the sizes of the mesh dims whose placement is ``Shard``. Every rank issues exactly one all-reduce
-(``max`` for the inf-norm), so a rank whose experts saw no token never skips a collective.
+product of the sizes of the mesh dims whose placement is ``Shard`` (or TP's ``_StridedShard``). Every rank
+issues exactly one all-reduce (``max`` for the inf-norm), so a rank whose experts saw no token never skips a
+collective.
 
 The caller's dense / expert split decides the ``ep`` factor, and a wrapped model's gradients carry their mesh:
-a DTensor gradient must live on ``pg_collection.dp_mesh`` (dense) or ``pg_collection.expt_dp_mesh``
-(expert), so a parameter passed in the wrong list raises instead of silently changing the norm.
+a DTensor gradient must live on the dense meshes (dimensions ``dp`` and ``tp``) or the expert ones
+(``expt_dp`` and ``expt_tp``), so a parameter passed in the wrong list raises instead of silently changing
+the norm. A ``Partial`` gradient (not yet reduced) raises too.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.process_groups import ProcessGroupCollection
@@ -37,18 +42,27 @@ def _local_and_shards(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
         return grad, 1
     shards = 1
     for size, placement in zip(grad.device_mesh.shape, grad.placements, strict=True):
-        if isinstance(placement, Shard):
+        if isinstance(placement, (Shard, _StridedShard)):
             shards *= size
         elif not placement.is_replicate():
             raise ValueError(f"grad placement {placement}: expected Shard or Replicate (reduce gradients first)")
     return grad.to_local(), shards
 
 
-def _check_mesh(grad: torch.Tensor, mesh: DeviceMesh | None, where: str) -> None:
-    if mesh is not None and isinstance(grad, DTensor) and grad.device_mesh != mesh:
+def _mesh_names(pg_collection: ProcessGroupCollection | None, expert: bool) -> list[tuple[str, ...]] | None:
+    """The mesh dimension names a dense (``expert`` False) or expert gradient may live on; None: any."""
+    if pg_collection is None:
+        return None
+    if expert:
+        return [("expt_dp",)] + ([("expt_tp",), ("expt_dp", "expt_tp")] if pg_collection.expt_tp is not None else [])
+    return [("dp",)] + ([("tp",), ("dp", "tp")] if pg_collection.tp is not None else [])
+
+
+def _check_mesh(grad: torch.Tensor, names: list[tuple[str, ...]] | None, where: str) -> None:
+    if names is not None and isinstance(grad, DTensor) and grad.device_mesh.mesh_dim_names not in names:
         raise ValueError(
             f"{where}: its gradient lives on mesh {grad.device_mesh.mesh_dim_names}, expected "
-            f"{mesh.mesh_dim_names}; pass the parameters as split_expert_params(model) splits them"
+            f"{' or '.join(map(str, names))}; pass the parameters as split_expert_params(model) splits them"
         )
 
 
@@ -61,10 +75,10 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
             ``split_expert_params`` splits them; grads of ``None`` count as 0.
         pg_collection: the process groups, or ``None`` for one process.
     Raises:
-        ValueError: ``norm_type`` is not positive, a grad is still ``Partial``, or a DTensor grad is not on the
-            mesh of its list (``dense_params[i]``: ``pg_collection.dp_mesh``, ``expert_params[i]``:
-            ``pg_collection.expt_dp_mesh``); the message names the list and index. Plain-tensor grads carry no
-            mesh and are taken as split.
+        ValueError: ``norm_type`` is not positive, a grad is still ``Partial``, or a DTensor grad is not on a
+            mesh of its list (``dense_params[i]``: dimensions ``dp`` / ``tp``, ``expert_params[i]``:
+            ``expt_dp`` / ``expt_tp``); the message names the list and index. Plain-tensor grads carry no mesh
+            and are taken as split.
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
@@ -72,8 +86,8 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
     world = 1 if pg_collection is None else dist.get_world_size()
     ep = 1 if pg_collection is None else pg_collection.ep_size
     groups = (
-        ("dense_params", dense_params, 1, None if pg_collection is None else pg_collection.dp_mesh),
-        ("expert_params", expert_params, ep, None if pg_collection is None else pg_collection.expt_dp_mesh),
+        ("dense_params", dense_params, 1, _mesh_names(pg_collection, expert=False)),
+        ("expert_params", expert_params, ep, _mesh_names(pg_collection, expert=True)),
     )
     total = None
     for arg, params, per_rank_copies, mesh in groups:

@@ -6,6 +6,8 @@ expert index, and EP rank r holds rows ``[r * L, (r + 1) * L)``. Everything else
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -13,6 +15,15 @@ from torch.distributed.tensor import DTensor
 from moe_core.parallel.collectives import all_gather_first_dim
 from moe_core.parallel.fsdp import find_expert_modules
 from moe_core.parallel.process_groups import ProcessGroupCollection
+
+_LOCAL_EXPERT = re.compile(r"(\.local_experts\.)(\d+)(\.)")
+
+
+def global_param_name(name: str, expert_offset: int) -> str:
+    """The single-process name of parameter ``name`` on a rank whose first expert has global index
+    ``expert_offset``: a ``SequentialMLP`` expert's ``...local_experts.<l>...`` becomes
+    ``...local_experts.<expert_offset + l>...``; every other name is unchanged."""
+    return _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{expert_offset + int(m[2])}{m[3]}", name, count=1)
 
 
 def expert_param_names(model: nn.Module) -> set[str]:
@@ -60,4 +71,4 @@ def gather_full_state_dict(model: nn.Module, pg_collection: ProcessGroupCollecti
     return out
 
 
-__all__ = ["expert_param_names", "load_full_state_dict", "gather_full_state_dict"]
+__all__ = ["expert_param_names", "global_param_name", "load_full_state_dict", "gather_full_state_dict"]

@@ -13,12 +13,12 @@ What a checkpoint holds:
   of ``(seed, step)``, ``data.sample_batch``), the LR schedule's state, AdamW's param groups
   (hyper-parameters), the model's ``TransformerConfig``, and for the record the world size and torch version.
 
-The tensors are saved in the single-process layout: full tensors (``get_state_dict(full_state_dict=True)``
-gathers FSDP2 shards and replicated DTensors) with every expert tensor gathered over expert parallelism
-(``[E, ...]``, EP rank r's rows ``[r * L, (r + 1) * L)``). Every rank then holds identical tensors and DCP
-writes each once; loading slices this rank's experts and lets ``set_state_dict`` re-shard. Gathering under
-the same names matters: EP ranks hold *different* experts under the same parameter name, which DCP would
-otherwise treat as one replicated tensor and keep only one rank's copy.
+The tensors are saved sharded, each rank writing only what it holds, in the single-process layout
+(``checkpoint_layout``): every parameter and AdamW moment is a DTensor view of this rank's shard (TP, ETP,
+FSDP2) placed in the single-process tensor, expert tensors with their EP rank's experts at rows
+``[r * L, (r + 1) * L)`` of ``[E, ...]``, a gated fc1 with a ``[gate, up]`` section axis. No rank gathers a
+full state dict, on save or load, and DCP reads any other layout's shards (TP, EP, FSDP2 or DP sizes, one
+process) by their offsets.
 
 Loading checks, in order, before any tensor is read: the manifest (sizes and SHA-256 of every file), the
 architecture (``TransformerConfig`` fields outside ``RESUMABLE_FIELDS`` must be equal unless ``partial``), the
@@ -45,51 +45,25 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
-from moe_core.parallel.collectives import all_gather_first_dim
-from moe_core.parallel.state import expert_param_names
 from moe_core.training import checkpoint_files as files
 from moe_core.training.checkpoint_files import CheckpointError
+from moe_core.training.checkpoint_layout import layouts, model_views, optimizer_views
 from moe_core.training.checkpoint_metadata import VerifiedReader, read_metadata
 
-_OPTIONS = StateDictOptions(full_state_dict=True)
-FORMAT = "moe_core.checkpoint.v1"
+_OPTIONS = StateDictOptions(full_state_dict=False)  # sharded: each rank's own DTensor shards
+FORMAT = "moe_core.checkpoint.v2"
 # TransformerConfig fields a checkpoint may be loaded under with other values: the parallel layout and
 # settings of training, not of the function the weights compute. Every other field must match.
 RESUMABLE_FIELDS = frozenset({
     "seq_length", "init_method_std", "moe_token_dispatcher_type", "moe_router_dtype", "moe_router_bias_update_rate",
     "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
     "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
-    "moe_shared_expert_overlap", "expert_model_parallel_size", "tensor_model_parallel_size",
+    "moe_shared_expert_overlap", "expert_model_parallel_size", "tensor_model_parallel_size", "sequence_parallel",
+    "expert_tensor_parallel_size", "cross_entropy_chunk_size", "moe_apply_probs_on_output",
 })
-
-
-def _expert_tensors(model_sd: dict, optim_sd: dict, experts: set[str]):
-    """``(dict, key)`` of every expert tensor: model weights and their optimizer moments (not ``step``)."""
-    for name in sorted(experts):
-        yield model_sd, name
-        per_param = optim_sd["state"].get(name, {})
-        for key in sorted(per_param):
-            if isinstance(per_param[key], torch.Tensor) and per_param[key].dim() > 0:
-                yield per_param, key
-
-
-def _full_state(model, optimizer, pg_collection) -> tuple[dict, dict]:
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    if pg_collection is not None and pg_collection.ep_size > 1:
-        for sd, key in _expert_tensors(model_sd, optim_sd, expert_param_names(model)):
-            sd[key] = all_gather_first_dim(sd[key].contiguous(), pg_collection.ep)
-    return model_sd, optim_sd
-
-
-def _keep_local_experts(model_sd: dict, optim_sd: dict, experts: set[str], pg_collection) -> None:
-    if pg_collection is None or pg_collection.ep_size == 1:
-        return
-    size, rank = pg_collection.ep_size, pg_collection.ep_rank
-    for sd, key in _expert_tensors(model_sd, optim_sd, experts):
-        rows = sd[key].shape[0] // size
-        sd[key] = sd[key][rank * rows:(rank + 1) * rows]
 
 
 def _rng_key() -> str:
@@ -131,12 +105,26 @@ def _shared_over_ranks(items: list[str], fn: Callable[[list[str]], dict]) -> dic
     return {k: v for part in parts for k, v in part.items()}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _check_finite(step: int, model_sd: dict, optim_sd: dict) -> None:
-    tensors = {f"model.{k}": v for k, v in model_sd.items()}
-    tensors.update({f"optim.{n}.{k}": v for n, s in optim_sd["state"].items() for k, v in s.items()})
-    floats = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
-    if floats and not bool(torch.stack([torch.isfinite(v).all() for v in floats.values()]).all()):
-        bad = next(k for k, v in floats.items() if not bool(torch.isfinite(v).all()))
+    """Raise on every rank when any rank's shard of a weight or moment is not finite (one all-reduce)."""
+    tensors = {f"model.{k}": _local(v) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    tensors.update({f"optim.{n}.{k}": _local(v) for n, s in optim_sd["state"].items() for k, v in s.items()
+                    if isinstance(v, torch.Tensor)})
+    floats = {k: v for k, v in tensors.items() if v.is_floating_point() and v.numel()}
+    bad = next((k for k, v in floats.items() if not bool(torch.isfinite(v).all())), None)
+    if dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        flag = torch.tensor([bad is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item():
+            names: list = [None] * dist.get_world_size()
+            dist.all_gather_object(names, bad)
+            bad = next(name for name in names if name is not None)
+    if bad is not None:
         raise RuntimeError(f"save_checkpoint: refusing to save step {step}: {bad} holds NaN or Inf (the previous "
                            "checkpoint stays the latest)")
 
@@ -152,8 +140,9 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
         RuntimeError: a weight or optimizer moment is not finite (nothing is written).
         OSError: the file system refused (the previous checkpoints are untouched).
     """
-    model_sd, optim_sd = _full_state(model, optimizer, pg_collection)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     _check_finite(step, model_sd, optim_sd)
+    layout = layouts(model, pg_collection)
     state = {
         "format": FORMAT, "step": step, "seed": seed, "scheduler": scheduler.state_dict(),
         "optimizer_param_groups": optim_sd["param_groups"],
@@ -162,8 +151,10 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     }
     state_json = json.dumps(state, indent=1, allow_nan=False).encode()
     tmp = _on_rank0(lambda: files.prepare_step_dir(save_dir, step))
-    dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}, "rng": {_rng_key(): _rng_state()}},
-             storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    tensors = {"model": model_views(model_sd, layout, pg_collection),
+               "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)},
+               "rng": {_rng_key(): _rng_state()}}
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
     _on_rank0(lambda: files.write_durably(tmp / files.STATE, state_json))
     digests = _shared_over_ranks(sorted(p.name for p in tmp.iterdir()), lambda names: files.digest_files(tmp, names))
 
@@ -191,13 +182,14 @@ def architecture_differences(saved: dict | None, current: TransformerConfig | No
     return diffs
 
 
-def _restore_tuples(saved_groups: list[dict], live_groups: list[dict], where: Path) -> list[dict]:
-    """AdamW's param groups from JSON, with lists back to tuples where the live optimizer has tuples (betas)."""
+def _restore_groups(saved_groups: list[dict], live_groups: list[dict], where: Path) -> list[dict]:
+    """AdamW's param groups: the saved hyper-parameters (lists back to tuples where the live optimizer has
+    tuples: betas) over the live groups' parameter names (another layout names other local experts)."""
     if len(saved_groups) != len(live_groups):
         raise CheckpointError(f"load: {where} has {len(saved_groups)} optimizer param groups, the optimizer "
                               f"{len(live_groups)}")
-    return [{k: tuple(v) if isinstance(live.get(k), tuple) else v for k, v in saved.items()}
-            for saved, live in zip(saved_groups, live_groups, strict=True)]
+    return [{**{k: tuple(v) if isinstance(live.get(k), tuple) else v for k, v in saved.items()},
+             "params": live["params"]} for saved, live in zip(saved_groups, live_groups, strict=True)]
 
 
 def _read_state(directory: Path, manifest: dict) -> dict:
@@ -256,32 +248,31 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         raise CheckpointError(f"load: {directory} holds another architecture ({diffs}); pass load_partial "
                               "(--load-partial) to load the matching weights only")
     reader = VerifiedReader(directory, metadata)
-    model_sd, optim_sd = _full_state(model, optimizer, pg_collection)
-    experts = expert_param_names(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    layout = layouts(model, pg_collection)
+    # The views share storage with model_sd / optim_sd's tensors (the live shards): dcp.load fills them in place.
+    views = model_views(model_sd, layout, pg_collection)
     if partial:
         saved = metadata.state_dict_metadata
-        matching = {k: v for k, v in model_sd.items()
+        matching = {k: v for k, v in views.items()
                     if f"model.{k}" in saved and tuple(saved[f"model.{k}"].size) == tuple(v.shape)}
         dcp.load({"model": matching}, storage_reader=reader)
-        model_sd.update(matching)
-        _keep_local_experts(model_sd, {"state": {}}, experts, pg_collection)
         set_model_state_dict(model, model_sd, options=_OPTIONS)
-        skipped = sorted(set(model_sd) - set(matching))
-        log(f"load: partial load of {directory}: {len(matching)} of {len(model_sd)} tensors; kept fresh: "
+        skipped = sorted(set(views) - set(matching))
+        log(f"load: partial load of {directory}: {len(matching)} of {len(views)} tensors; kept fresh: "
             f"{skipped or 'none'}; architecture differences: {diffs or 'none'}")
         return 0
     if seed is not None and state.get("seed") != seed:
         raise CheckpointError(f"seed: the checkpoint in {directory} was trained with seed {state.get('seed')}, "
                               f"got {seed}")
-    tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+    tensors = {"model": views, "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)}}
     # Only the RNG entries this checkpoint has: another world size, or no CUDA when it was saved.
     rng = {k: v for k, v in _rng_state().items() if f"rng.{_rng_key()}.{k}" in metadata.state_dict_metadata}
     if rng:
         tensors["rng"] = {_rng_key(): rng}
     dcp.load(tensors, storage_reader=reader)
-    groups = _restore_tuples(state["optimizer_param_groups"], optim_sd["param_groups"], directory)
-    optim_sd = {"state": tensors["optim"]["state"], "param_groups": groups}
-    _keep_local_experts(model_sd, optim_sd, experts, pg_collection)
+    groups = _restore_groups(state["optimizer_param_groups"], optim_sd["param_groups"], directory)
+    optim_sd = {"state": optim_sd["state"], "param_groups": groups}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
     scheduler.load_state_dict(state["scheduler"])
     if "cpu" in rng:
@@ -305,16 +296,11 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_colle
     if diffs:
         raise CheckpointError(f"load: {directory} holds another architecture ({diffs})")
     model_sd = get_model_state_dict(model, options=_OPTIONS)
-    experts = expert_param_names(model)
-    no_optim = {"state": {}}
-    if pg_collection is not None and pg_collection.ep_size > 1:
-        for sd, key in _expert_tensors(model_sd, no_optim, experts):
-            sd[key] = all_gather_first_dim(sd[key].contiguous(), pg_collection.ep)
-    missing = sorted(k for k in model_sd if f"model.{k}" not in metadata.state_dict_metadata)
+    views = model_views(model_sd, layouts(model, pg_collection), pg_collection)
+    missing = sorted(k for k in views if f"model.{k}" not in metadata.state_dict_metadata)
     if missing:
         raise CheckpointError(f"load: {directory} lacks the weights {missing}")
-    dcp.load({"model": model_sd}, storage_reader=VerifiedReader(directory, metadata))
-    _keep_local_experts(model_sd, no_optim, experts, pg_collection)
+    dcp.load({"model": views}, storage_reader=VerifiedReader(directory, metadata))
     set_model_state_dict(model, model_sd, options=_OPTIONS)
 
 

@@ -9,16 +9,17 @@ infinite, the step leaves the weights, AdamW's moments, the LR schedule and the 
 only drops the gradients. Both values are reduced over all ranks before the test, so every rank takes the same
 branch and issues the same collectives.
 
-Under torchrun every rank is a data-parallel rank (``moe_core.parallel``): experts are split over
-``expert_model_parallel_size`` ranks and the model is wrapped with FSDP2 (``use_torch_fsdp2``) or DDP, both
-summing gradients (dense over DP, experts over expert-DP). The model starts from the single-process
-initialisation (same seed, experts sliced), so a run's losses are comparable across layouts.
+Under torchrun (``moe_core.parallel``) the ranks form TP groups of ``tensor_model_parallel_size`` (attention,
+MLPs and the sequence split over them, ``tensor_parallel``), the TP groups are the data-parallel ranks, and
+experts are split over ``expert_model_parallel_size`` ranks (and their fc1 / fc2 over ETP). The model is
+wrapped with FSDP2 (``use_torch_fsdp2``) or DDP, both summing gradients (dense over DP, experts over
+expert-DP). The model is built on the meta device and each rank initialises only its shards, with the
+values of the single-process initialisation (same seed), so a run's losses are comparable across layouts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -29,13 +30,14 @@ from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
+from moe_core.models.init import init_weights
 from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
 from moe_core.parallel.grad_clip import clip_coefficient, get_grad_norm, scale_grads_
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
-from moe_core.parallel.state import load_full_state_dict
+from moe_core.parallel.tensor_parallel import apply_tensor_parallel
 from moe_core.training.config import TrainingConfig
 from moe_core.training.schedule import build_scheduler
 
@@ -82,45 +84,75 @@ class TrainingState:
 
 def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: torch.device,
                 pg_collection: ProcessGroupCollection | None = None) -> GPTModel:
-    """The GPTModel of the single-process run with seed ``cfg.seed``; under EP this rank's experts of it,
-    wrapped with FSDP2 or DDP. With ``bf16`` on CUDA, FSDP2 gets a ``MixedPrecisionPolicy`` (bf16 parameters
+    """The GPTModel of the single-process run with seed ``cfg.seed`` (``models.init.init_weights``); under
+    EP / TP this rank's experts and TP shards of it, wrapped with FSDP2 or DDP.
+
+    Built on the meta device, split and wrapped there, then allocated on ``device`` and initialised: a rank
+    never holds more than its shards (and one whole parameter while initialising it), so the model may be
+    far larger than one device. With ``bf16`` on CUDA, FSDP2 gets a ``MixedPrecisionPolicy`` (bf16 parameters
     for compute and all-gather, float32 gradient reduction) instead of autocast."""
     torch.manual_seed(cfg.seed)
-    if pg_collection is None:
-        return GPTModel(model_config).to(device)
-    full = GPTModel(dataclasses.replace(model_config, expert_model_parallel_size=1))
-    model = GPTModel(model_config, pg_collection)
-    load_full_state_dict(model, full.state_dict(), pg_collection)
-    del full
-    model.to(device)
-    if not cfg.use_torch_fsdp2:
-        return apply_ddp(model, pg_collection)
-    mp_policy = None
-    if _bf16_on(cfg, device):
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return apply_fsdp2(model, pg_collection, mp_policy=mp_policy)
+    with torch.device("meta"):
+        model = GPTModel(model_config, pg_collection)
+    if pg_collection is not None:
+        apply_tensor_parallel(model, pg_collection)
+        if not cfg.use_torch_fsdp2:
+            apply_ddp(model, pg_collection)
+        else:
+            mp_policy = None
+            if _bf16_on(cfg, device):
+                mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            apply_fsdp2(model, pg_collection, mp_policy=mp_policy)
+    model.to_empty(device=device)
+    expert_offset = 0
+    if pg_collection is not None and model_config.num_moe_experts is not None:
+        expert_offset = pg_collection.local_expert_indices(model_config.num_moe_experts)[0]
+    init_weights(model, cfg.seed, expert_offset)
+    return model
 
 
 def _bf16_on(cfg: TrainingConfig, device: torch.device) -> bool:
     return cfg.bf16 and device.type == "cuda"
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
+def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig, *, fused: bool | None = None,
+                    foreach: bool | None = None) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices and expert weights only (not on norms, biases or 1-D params).
 
-    Fused (the role of apex's and TE's FusedAdam in Megatron) when the parameters live on CUDA; torch's foreach
-    implementation elsewhere. Four parameter groups, in every process layout (so checkpoints load across
-    layouts), some possibly empty: dense and expert parameters, each with and without decay. A group never mixes
-    dense and expert parameters: the fused and foreach kernels batch a group's tensors, and under FSDP2 the two
-    kinds are DTensors of different meshes (DP and expert-DP), which cannot share a batch.
+    Fused (the role of apex's and TE's FusedAdam in Megatron) when the parameters live on CUDA, torch's default
+    elsewhere, unless ``fused`` / ``foreach`` pick the implementation (torch.optim.AdamW's arguments). Four
+    parameter groups, in every process layout (so checkpoints load across layouts), some possibly empty: dense
+    and expert parameters, each with and without decay. A group never mixes meshes: the fused and foreach
+    kernels batch a group's tensors, and DTensors of different meshes cannot share a batch. Dense parameters
+    live on the DP (x TP) mesh, experts on the expert-DP (x ETP) mesh: ``tensor_parallel`` makes every dense
+    parameter a DTensor of the TP mesh, so FSDP2 / replicate put them all on one mesh.
+
+    Raises:
+        ValueError: a group would hold DTensors of different meshes (naming two of them).
     """
     dense, experts = split_expert_params(model)
+    names = {id(p): name for name, p in model.named_parameters()}
     param_groups = [{"params": [p for p in params if (p.dim() >= 2) == decay],
                      "weight_decay": cfg.weight_decay if decay else 0.0}
                     for params in (dense, experts) for decay in (True, False)]
-    on_cuda = all(p.device.type == "cuda" for p in model.parameters())
+    for group in param_groups:
+        _check_one_mesh(group["params"], names)
+    if fused is None and foreach is None:
+        fused = all(p.device.type == "cuda" for p in model.parameters()) or None
     return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                             fused=on_cuda or None)
+                             fused=fused, foreach=foreach)
+
+
+def _check_one_mesh(params: list[torch.nn.Parameter], names: dict[int, str]) -> None:
+    meshes = {}
+    for p in params:
+        mesh = p.device_mesh if isinstance(p, DTensor) else None
+        meshes.setdefault(mesh, names[id(p)])
+    if len(meshes) > 1:
+        (a, name_a), (b, name_b) = list(meshes.items())[:2]
+        describe = [m.mesh_dim_names if m is not None else "no mesh (a plain tensor)" for m in (a, b)]
+        raise ValueError(f"model: optimizer group mixes meshes: {name_a} on {describe[0]}, {name_b} on {describe[1]}; "
+                         "apply tensor_parallel before FSDP2 / replicate so every dense parameter shares one mesh")
 
 
 def training_device(pg_collection: ProcessGroupCollection | None) -> torch.device:
@@ -203,9 +235,10 @@ def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
             layer.router.local_tokens_per_expert.zero_()  # the loads of a step that does not count
         else:
             if pg is not None:
-                # Expert-bias updates must see the global batch's loads so the bias stays equal on all ranks.
-                with named_collective("all_reduce (tokens per expert)", pg.dp):
-                    dist.all_reduce(layer.router.local_tokens_per_expert, group=pg.dp)
+                # Expert-bias updates must see the global batch's loads (every DP and TP rank's tokens) so the
+                # bias stays equal on all ranks.
+                with named_collective("all_reduce (tokens per expert)", pg.tp_dp):
+                    dist.all_reduce(layer.router.local_tokens_per_expert, group=pg.tp_dp)
             layer.router.update_expert_bias()
         layer.router.reset_global_aux_loss_tracker()
     return step_loss, grad_norm, skipped

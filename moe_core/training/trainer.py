@@ -14,7 +14,6 @@ skipped. Weights are never stepped with non-finite gradients and a checkpoint ne
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -87,14 +86,29 @@ def expert_load_stats(model: GPTModel) -> dict[str, float]:
             "expert_load_cv": cv.item()}
 
 
-def router_losses(model: GPTModel) -> dict[str, float]:
+def router_losses(model: GPTModel, tp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Each aux / z loss of the last forward, summed over MoE layers (raw values without their coefficients;
-    a balanced router's aux_loss is 1.0 per layer)."""
-    totals: dict[str, float] = {}
+    a balanced router's aux_loss is 1.0 per layer). Under TP each rank holds its share of each loss: pass the
+    TP group to sum them (one all-reduce; collective over the group)."""
+    totals: dict[str, torch.Tensor] = {}
     for layer in model.moe_layers():
         for key, value in layer.router.aux_losses.items():
-            totals[key] = totals.get(key, 0.0) + value.item()
-    return totals
+            totals[key] = totals.get(key, 0.0) + value.float()
+    if not totals:
+        return {}
+    stacked = torch.stack(list(totals.values()))
+    if tp_group is not None:
+        dist.all_reduce(stacked, group=tp_group)
+    return dict(zip(totals, stacked.tolist(), strict=True))
+
+
+def peak_memory_gib(device: torch.device, pg_collection: ProcessGroupCollection | None) -> float:
+    """The most CUDA memory any rank has allocated since start-up (``torch.cuda.max_memory_allocated``), GiB;
+    collective over all ranks (one all-reduce)."""
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+    if pg_collection is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak.item()
 
 
 def mfu(flops_per_token: float, tokens_per_second: float, device: torch.device) -> float | None:
@@ -126,11 +140,13 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
     streams = build_token_streams(cfg.data_path, tokenizer, *cfg.decode_args())
     state = setup_training(model_config, cfg, pg)
     if pg is not None:
-        log(f"parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), EP {pg.ep_size}, expert-DP "
-            f"{pg.expt_dp_size}, {'FSDP2' if cfg.use_torch_fsdp2 else 'DDP'}")
+        log(f"parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {pg.tp_size}"
+            f"{' (SP)' if pg.tp_size > 1 else ''}, DP {pg.dp_size}, "
+            f"EP {pg.ep_size}, ETP {pg.expt_tp_size}, expert-DP {pg.expt_dp_size}, "
+            f"{'FSDP2' if cfg.use_torch_fsdp2 else 'DDP'}")
     # Parameter and FLOP counts of the whole model (every EP rank's experts), from a weightless copy.
     with torch.device("meta"):
-        whole = GPTModel(dataclasses.replace(model_config, expert_model_parallel_size=1))
+        whole = GPTModel(model_config.single_process())
     log(f"model: {whole.num_parameters() / 1e6:.2f}M parameters, "
         f"{whole.num_parameters(active=True) / 1e6:.2f}M active; "
         f"corpus: {len(streams['train']):,} train / {len(streams['valid']):,} valid {tokenizer.unit}s")
@@ -187,11 +203,14 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
             # "lr": the rate the next step will use (what Megatron logs), min_lr after the last step.
             metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": state.scheduler.get_last_lr()[0],
                        "tokens_per_second": tokens_per_second, "skipped_steps": skipped_steps,
-                       **router_losses(state.model),
+                       **router_losses(state.model, None if pg is None else pg.tp),
                        **expert_load_stats(state.model)}
-            utilisation = mfu(whole.flops_per_token(), tokens_per_second / state.dp_size, state.device)
+            gpus = state.dp_size * (1 if pg is None else pg.tp_size)
+            utilisation = mfu(whole.flops_per_token(), tokens_per_second / gpus, state.device)
             if utilisation is not None:
                 metrics["mfu"] = utilisation
+            if state.device.type == "cuda":
+                metrics["peak_memory_gib"] = peak_memory_gib(state.device, pg)
             writer.log(done, metrics)
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_second:,.0f}")
             t_log, steps_since_log = time.perf_counter(), 0
@@ -230,4 +249,5 @@ class _NoWriter:
         return None
 
 
-__all__ = ["pretrain", "RunSummary", "TrainingDivergedError", "evaluate", "expert_load_stats", "router_losses", "mfu"]
+__all__ = ["pretrain", "RunSummary", "TrainingDivergedError", "evaluate", "expert_load_stats", "router_losses", "mfu",
+           "peak_memory_gib"]

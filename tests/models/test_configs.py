@@ -123,12 +123,39 @@ def test_tiny_config_loads():
     (dict(num_moe_experts=4, moe_pad_expert_input_to_capacity=True), ValueError, "moe_expert_capacity_factor"),
     (dict(num_moe_experts=4, moe_shared_expert_overlap=True), ValueError, "moe_shared_expert_intermediate_size"),
     (dict(num_moe_experts=4, moe_layer_freq=[1, 0, 1]), ValueError, "moe_layer_freq"),
-    (dict(tensor_model_parallel_size=2), ValueError, "tensor_model_parallel_size"),
+    (dict(tensor_model_parallel_size=0), ValueError, "tensor_model_parallel_size"),
+    (dict(tensor_model_parallel_size=2), ValueError, r"sequence_parallel: tensor_model_parallel_size 2 requires"),
+    (dict(tensor_model_parallel_size=4, sequence_parallel=True, num_query_groups=2), ValueError,
+     r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, vocab_size=31), ValueError, r"vocab_size \(31\)"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, seq_length=9), ValueError, r"seq_length \(9\)"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, qk_layernorm=True, qk_layernorm_span="projection"),
+     ValueError, "qk_layernorm_span"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=4), ValueError,
+     r"expert_tensor_parallel_size: expected 1 or tensor_model_parallel_size \(2\), got 4"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, num_moe_experts=4, moe_ffn_hidden_size=3),
+     ValueError, r"moe_ffn_hidden_size \(3\) must be divisible by expert_tensor_parallel_size \(2\)"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True, num_moe_experts=4, add_bias_linear=True),
+     ValueError, "add_bias_linear"),
+    (dict(sequence_parallel=1), TypeError, "sequence_parallel"),
+    (dict(cross_entropy_chunk_size=0), ValueError, "cross_entropy_chunk_size"),
 ])
 def test_config_validation_names_the_field(overrides, error, message):
     base = dict(num_layers=2, hidden_size=16, num_attention_heads=4)
     with pytest.raises(error, match=message):
         TransformerConfig(**{**base, **overrides})
+
+
+def test_tensor_parallel_sizes():
+    """ETP defaults to TP (Megatron); ETP 1 is allowed; single_process() clears every parallel size."""
+    base = dict(num_layers=2, hidden_size=16, num_attention_heads=4, num_moe_experts=4, sequence_parallel=True)
+    assert TransformerConfig(**base, tensor_model_parallel_size=2).expert_tensor_parallel_size == 2
+    cfg = TransformerConfig(**base, tensor_model_parallel_size=2, expert_tensor_parallel_size=1,
+                            expert_model_parallel_size=2)
+    assert cfg.expert_tensor_parallel_size == 1
+    single = cfg.single_process()
+    assert (single.tensor_model_parallel_size, single.expert_tensor_parallel_size, single.expert_model_parallel_size,
+            single.sequence_parallel) == (1, 1, 1, False)
 
 
 def test_unknown_yaml_field(tmp_path):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from moe_core.config import TransformerConfig
 from moe_core.mlp import MLP
-from moe_core.models.attention import SelfAttention
+from moe_core.models.attention import SelfAttention, qkv_row_blocks
 from moe_core.models.gpt import GPTModel
 from moe_core.models.rope import apply_rope, rope_cos_sin
 from moe_core.moe.moe_layer import MoELayer
@@ -73,7 +73,10 @@ def _reference_attention(attn: SelfAttention, x: torch.Tensor, rotary_base: floa
     """Explicit MHA: kv heads repeated per query group, masked softmax(q k^T / sqrt(D)) v."""
     batch, seq, _ = x.shape
     nq, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q, k, v = attn.linear_qkv(x).split([nq * d, nkv * d, nkv * d], dim=-1)
+    blocks = qkv_row_blocks(nq, nkv, d)
+    parts = attn.linear_qkv(x).split([stop - start for _, start, stop in blocks], dim=-1)
+    q, k, v = (torch.cat([p for (s, _, _), p in zip(blocks, parts, strict=True) if s == name], dim=-1)
+               for name in "qkv")
     q = q.view(batch, seq, nq, d).transpose(1, 2)
     k = k.view(batch, seq, nkv, d).transpose(1, 2)
     v = v.view(batch, seq, nkv, d).transpose(1, 2).repeat_interleave(nq // nkv, dim=1)

@@ -1,4 +1,5 @@
-"""GroupedMLP against SequentialMLP (copied weights) and a per-row float64 formula; zero-token experts.
+"""GroupedMLP against SequentialMLP (copied weights) and a per-row float64 formula, with the probs applied
+before fc2 and on the output (``moe_apply_probs_on_output``); zero-token experts.
 
 Legend: R routed rows, H hidden, F expert ffn width, E local experts.
 """
@@ -71,8 +72,10 @@ def expert_grads(sequential: SequentialMLP, grouped: GroupedMLP, e: int):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("act", ACTIVATIONS)
 @pytest.mark.parametrize("counts", [[3, 0, 5, 1], [2, 4, 1, 0], [0, 0, 0, 0]], ids=["empty-mid", "empty-last", "R0"])
-def test_grouped_matches_sequential(dtype, bias, act, counts):
-    sequential, grouped = make_pair(len(counts), dtype, activation_func=act, add_bias_linear=bias)
+@pytest.mark.parametrize("on_output", [False, True], ids=["probs-before-fc2", "probs-on-output"])
+def test_grouped_matches_sequential(dtype, bias, act, counts, on_output):
+    sequential, grouped = make_pair(len(counts), dtype, activation_func=act, add_bias_linear=bias,
+                                    moe_apply_probs_on_output=on_output)
     g = torch.Generator().manual_seed(sum(counts))
     num_rows = sum(counts)
     x = torch.randn(num_rows, HIDDEN, generator=g, dtype=dtype)
@@ -99,9 +102,10 @@ def test_grouped_matches_sequential(dtype, bias, act, counts):
                 assert torch.equal(want, torch.zeros_like(want))
 
 
-def test_padding_row_with_zero_prob_gives_exact_zero():
+@pytest.mark.parametrize("on_output", [False, True])
+def test_padding_row_with_zero_prob_gives_exact_zero(on_output):
     """A drop_and_pad padding row (prob 0) must come out as exactly 0, bias or not: combine only sums."""
-    _, grouped = make_pair(2, torch.float32, add_bias_linear=True)
+    _, grouped = make_pair(2, torch.float32, add_bias_linear=True, moe_apply_probs_on_output=on_output)
     with torch.no_grad():
         grouped.fc2.bias.normal_()
     out, _ = grouped(torch.randn(4, HIDDEN), torch.tensor([2, 2]), torch.tensor([0.5, 0.0, 0.0, 1.0]))

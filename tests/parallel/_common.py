@@ -12,9 +12,10 @@ from tests.parallel._launch import device
 
 
 @functools.cache
-def groups(ep: int, num_experts: int = 8):
-    """One ProcessGroupCollection per EP size for the life of the worker pool."""
-    return build_process_groups(ep, num_moe_experts=num_experts, device_type=device().type)
+def groups(ep: int, num_experts: int = 8, tp: int = 1, etp: int = 1):
+    """One ProcessGroupCollection per (EP, experts, TP, ETP) for the life of the worker pool."""
+    return build_process_groups(ep, tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp,
+                                num_moe_experts=num_experts, device_type=device().type)
 
 
 def compare(name: str, actual: torch.Tensor, expected: torch.Tensor, stats: dict, rtol=1e-5, atol=1e-6) -> None:

@@ -1,11 +1,10 @@
-"""``load_hf_weights`` on 2 gloo ranks: under EP, FSDP2 and both, each rank reads exactly the HF rows it holds
-(its experts, its FSDP2 rows) and the gathered model equals the single-process ``load_hf`` bitwise; the import
-tool under EP = 2 writes the checkpoint of the single-process load."""
+"""``load_hf_weights`` on 2 gloo ranks: under EP, FSDP2 and both, each rank reads exactly the HF elements it
+holds (its experts, its FSDP2 rows, or columns of a gated fc1) and the gathered model equals the single-process
+``load_hf`` bitwise; the import tool under EP = 2 writes the checkpoint of the single-process load."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
@@ -16,7 +15,6 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from moe_core.interop.hf import load_hf, load_hf_weights, read_hf_config
 from moe_core.interop.hf_config import config_from_hf
-from moe_core.interop.hf_weights import SafetensorsReader
 from moe_core.models.gpt import GPTModel
 from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2
@@ -36,8 +34,7 @@ def _load_on_rank(path: str, ep: int, wrap: str) -> dict:
     if wrap != "none":
         (apply_fsdp2 if wrap == "fsdp2" else apply_ddp)(model, pg)
     rows = load_hf_weights(model, path, pg)
-    with SafetensorsReader(path) as reader:
-        read = sum((stop - start) * math.prod(reader.shape(key)[1:]) for key, (start, stop) in rows.items())
+    read = sum(rows.values())
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     return {"rows": rows, "read": read, "held": held, "full": gather_full_state_dict(model, pg),
             "experts": pg.local_expert_indices(NUM_EXPERTS)}

@@ -1,5 +1,6 @@
 """The pretraining loop across ranks: EP = 2 under DDP and FSDP2 follows the single-process run step for step,
-and its checkpoints load in another layout (single process, other wrapper) with identical parameters."""
+TP = 2 x EP = 2 follows EP = 2 (the same micro-batches), and checkpoints load in another layout (single
+process, other wrapper) with identical parameters."""
 
 from __future__ import annotations
 
@@ -23,23 +24,26 @@ from tests.parallel._launch import BACKEND, run_distributed
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
-def _configs(ep: int, output_dir: str, fsdp2: bool, **training) -> tuple[TransformerConfig, TrainingConfig]:
+def _configs(ep: int, output_dir: str, fsdp2: bool, tp: int = 1, dp: int | None = None,
+             **training) -> tuple[TransformerConfig, TrainingConfig]:
     model = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=256, seq_length=32,
         num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.0,
-        expert_model_parallel_size=ep,
+        expert_model_parallel_size=ep, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
     )
     train = TrainingConfig(
-        micro_batch_size=8 // ep, global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=1, log_interval=1,
-        eval_iters=2, output_dir=output_dir, use_torch_fsdp2=fsdp2, bf16=False,
+        micro_batch_size=8 // (dp or ep), global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=1,
+        log_interval=1, eval_iters=2, output_dir=output_dir, use_torch_fsdp2=fsdp2, bf16=False,
         data_path=[str(STDLIB / "textwrap.py"), str(STDLIB / "shlex.py")], **training,
     )
     return model, train
 
 
-def _pretrain(ep: int, output_dir: str, fsdp2: bool, save: str | None = None) -> dict:
-    model_cfg, train_cfg = _configs(ep, output_dir, fsdp2, save=save)
-    summary = pretrain(model_cfg, train_cfg, log=lambda *_: None, pg_collection=groups(ep, 4))
+def _pretrain(ep: int, output_dir: str, fsdp2: bool, save: str | None = None, tp: int = 1) -> dict:
+    import torch.distributed as dist
+
+    model_cfg, train_cfg = _configs(ep, output_dir, fsdp2, tp=tp, dp=dist.get_world_size() // tp, save=save)
+    summary = pretrain(model_cfg, train_cfg, log=lambda *_: None, pg_collection=groups(ep, 4, tp, tp))
     return {"start": summary.start_valid_loss, "end": summary.end_valid_loss, "train": summary.train_losses}
 
 
@@ -55,6 +59,19 @@ def test_pretrain_ep2_follows_single_process(tmp_path, fsdp2):
     torch.testing.assert_close(torch.tensor(got["train"]), torch.tensor(single.train_losses), rtol=1e-4, atol=0)
     torch.testing.assert_close(got["end"], single.end_valid_loss, rtol=1e-4, atol=0)
     print(f"single {single.train_losses} / ep2 {got['train']}; valid end {single.end_valid_loss} / {got['end']}")
+
+
+def test_pretrain_tp2_ep2_follows_ep2(tmp_path):
+    """Four ranks, TP = 2 (ETP 2) x EP = 2 under FSDP2, against two ranks with EP = 2: the same two DP ranks'
+    micro-batches, so the same losses (the trainer's evaluation, router-loss logging and schedule under TP)."""
+    ep2 = run_distributed(2, _pretrain, timeout=120, ep=2, output_dir=str(tmp_path / "ep2"), fsdp2=False)[0]
+    ranks = run_distributed(4, _pretrain, timeout=120, ep=2, tp=2, output_dir=str(tmp_path / "tp2"), fsdp2=True)
+    for r in ranks:
+        assert r == ranks[0]
+    got = ranks[0]
+    torch.testing.assert_close(got["start"], ep2["start"], rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(got["train"]), torch.tensor(ep2["train"]), rtol=1e-4, atol=0)
+    torch.testing.assert_close(got["end"], ep2["end"], rtol=1e-4, atol=0)
 
 
 def _load(path: str, model_cfg: TransformerConfig, train_cfg: TrainingConfig) -> tuple[int, dict]:

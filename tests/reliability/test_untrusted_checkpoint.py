@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moe_core.training import checkpoint_files as files
-from moe_core.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from moe_core.training.checkpoint import FORMAT, CheckpointError, load_checkpoint, save_checkpoint
 from moe_core.training.step import setup_training
 from tests.reliability._common import TINY, parse
 
@@ -52,7 +52,7 @@ def _load(path, model, training, state):
 def _rewrite_manifest(directory: Path) -> None:
     """What an attacker with write access does: make the manifest match the crafted files."""
     names = sorted(p.name for p in directory.iterdir() if p.name != files.MANIFEST)
-    manifest = {"format": "moe_core.checkpoint.v1", "files": files.digest_files(directory, names)}
+    manifest = {"format": FORMAT, "files": files.digest_files(directory, names)}
     (directory / files.MANIFEST).write_text(json.dumps(manifest))
 
 
@@ -147,7 +147,7 @@ def test_a_damaged_data_file_is_named(saved, damage):
 
 @pytest.mark.parametrize("name, content, message", [
     (files.MANIFEST, b"{not json", r"manifest\.json is corrupt"),
-    (files.STATE, b'{"format": "moe_core.checkpoint.v1", "step": 3}  ', r"state\.json has \d+ bytes"),
+    (files.STATE, b'{"format": "' + FORMAT.encode() + b'", "step": 3}  ', r"state\.json has \d+ bytes"),
     (".metadata", b"\x80\x04", r"\.metadata has 2 bytes"),
 ])
 def test_damaged_small_files_are_named(saved, name, content, message):

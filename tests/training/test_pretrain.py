@@ -123,10 +123,13 @@ def test_checkpoint_restores_rng_and_checks_the_seed(tmp_path):
 
 
 def test_gradient_accumulation_matches_one_micro_batch(tmp_path, corpus):
-    """--global-batch-size 4 with --micro-batch-size 2 (2 accumulated micro-batches) trains like micro 4."""
-    whole, _, _ = run(tmp_path, corpus, "whole", "--train-iters", "3")
+    """--global-batch-size 4 with --micro-batch-size 2 (2 accumulated micro-batches) trains like micro 4.
+
+    The Switch aux loss is a function of each micro-batch's loads (not a sum over tokens), so accumulation
+    changes it by design: it is off here; the z-loss (a per-token mean) stays on."""
+    whole, _, _ = run(tmp_path, corpus, "whole", "--train-iters", "3", "--moe-aux-loss-coeff", "0")
     accumulated, _, _ = run(tmp_path, corpus, "accumulated", "--train-iters", "3", "--micro-batch-size", "2",
-                            "--global-batch-size", "4")
+                            "--global-batch-size", "4", "--moe-aux-loss-coeff", "0")
     torch.testing.assert_close(torch.tensor(accumulated.train_losses), torch.tensor(whole.train_losses),
                                rtol=1e-5, atol=0)
 
@@ -160,6 +163,18 @@ def test_flags_override_yaml(tmp_path):
         config.write_text("model:\n  num_layers: 1\n  hidden_size: 16\n  num_attention_heads: 2\n"
                           "training:\n  nonsense: 1\n")
         pretrain_gpt.parse_args(["--config", str(config)])
+
+
+def test_parallel_flags_use_megatrons_names():
+    model, _ = pretrain_gpt.parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                        "--expert-tensor-parallel-size", "1", "--expert-model-parallel-size", "2",
+                                        "--cross-entropy-chunk-size", "64"])
+    assert (model.tensor_model_parallel_size, model.sequence_parallel, model.expert_tensor_parallel_size,
+            model.expert_model_parallel_size, model.cross_entropy_chunk_size) == (2, True, 1, 2, 64)
+    assert pretrain_gpt.parse_args(["--tensor-model-parallel-size", "2", "--sequence-parallel"])[0] \
+        .expert_tensor_parallel_size == 2  # Megatron's default: ETP = TP
+    with pytest.raises(ValueError, match="sequence_parallel: tensor_model_parallel_size 2 requires"):
+        pretrain_gpt.parse_args(["--tensor-model-parallel-size", "2"])
 
 
 def test_tiny_yaml_is_the_default_run():
