@@ -11,6 +11,7 @@ import re
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from moe_core.parallel.collectives import all_gather_first_dim
 from moe_core.parallel.fsdp import find_expert_modules
@@ -56,6 +57,26 @@ def load_full_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor],
 
 
 @torch.no_grad()
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of ``t``: a DTensor gathered over its mesh (collective), anything else as it is.
+
+    A DTensor split over one mesh dimension by ``_StridedShard(d, split_factor=s)`` (a TP-split gated fc1: each
+    rank holds its part of each of the ``s`` pieces of dim ``d``) is gathered here, piece by piece; some torch
+    releases cannot plan that redistribution. Other layouts use ``DTensor.full_tensor``.
+    """
+    if not isinstance(t, DTensor):
+        return t
+    mesh = t.device_mesh
+    split = [(i, p) for i, p in enumerate(t.placements) if not p.is_replicate() and mesh.size(i) > 1]
+    if len(split) != 1 or not isinstance(split[0][1], _StridedShard):
+        return t.full_tensor()
+    (mesh_dim, placement), = split
+    parts = all_gather_first_dim(t.to_local().movedim(placement.dim, 0).contiguous(), mesh.get_group(mesh_dim))
+    pieces = [part.chunk(placement.split_factor) for part in parts.chunk(mesh.size(mesh_dim))]
+    whole = torch.cat([piece[j] for j in range(placement.split_factor) for piece in pieces])
+    return whole.movedim(0, placement.dim)
+
+
 def gather_full_state_dict(model: nn.Module, pg_collection: ProcessGroupCollection | None) -> dict[str, torch.Tensor]:
     """The single-process parameters of a (wrapped) EP model, full tensors on every rank. Collective.
 
@@ -64,11 +85,11 @@ def gather_full_state_dict(model: nn.Module, pg_collection: ProcessGroupCollecti
     experts = expert_param_names(model)
     out = {}
     for name, p in model.named_parameters():
-        value = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        value = full_tensor(p.detach())
         if name in experts and pg_collection is not None:
             value = all_gather_first_dim(value.contiguous(), pg_collection.ep)
         out[name] = value.detach().clone()
     return out
 
 
-__all__ = ["expert_param_names", "global_param_name", "load_full_state_dict", "gather_full_state_dict"]
+__all__ = ["expert_param_names", "global_param_name", "load_full_state_dict", "gather_full_state_dict", "full_tensor"]

@@ -32,11 +32,14 @@ the gradient norm see one mesh per kind of parameter.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -53,18 +56,35 @@ from moe_core.moe.moe_layer import MoELayer
 from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
-class GatedColwiseParallel(ColwiseParallel):
-    """``ColwiseParallel`` for a fused gated fc1 ([gate; up] rows): each rank holds [gate_r; up_r]
+class GatedColwiseParallel(ParallelStyle):
+    """Column split of a fused gated fc1 (an ``nn.Linear`` with [gate; up] rows): each rank holds [gate_r; up_r]
     (``_StridedShard(0, split_factor=2)``), so its local output is [..., gate_r | up_r], which the gated
-    activation splits in halves as it does unsplit. The local output is returned as is."""
+    activation splits in halves as it does unsplit.
 
-    def _partition_linear_fn(self, name, module, device_mesh):
-        for param_name, param in module.named_parameters():
-            module.register_parameter(param_name, _distribute(param, device_mesh, [_StridedShard(0, split_factor=2)]))
+    The input (split over ``input_layouts``' token dimension) is all-gathered over the TP group, its gradient
+    reduce-scattered (``Partial`` -> the input's placement, explicit), and the matmul runs on the local weight:
+    DTensor's operator rules for a ``_StridedShard`` operand are not relied on. Returns the local output.
+    """
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        return outputs.to_local() if use_local_output else outputs
+    def __init__(self, *, input_layouts: Placement) -> None:
+        super().__init__()
+        self.input_layout = input_layouts
+        self.src_data_rank = None
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"module: GatedColwiseParallel splits an nn.Linear, got {type(module).__name__}")
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, _distribute(param, device_mesh, [_StridedShard(0, split_factor=2)]))
+        module.forward = functools.partial(_gated_fc1_forward, module, device_mesh, self.input_layout)
+        return module
+
+
+def _gated_fc1_forward(module: nn.Linear, mesh: DeviceMesh, input_layout: Placement, x: torch.Tensor) -> torch.Tensor:
+    x_full = DTensor.from_local(x, mesh, [input_layout], run_check=False).redistribute(mesh, [Replicate()])
+    x_full = x_full.to_local(grad_placements=[Partial()])
+    bias = None if module.bias is None else module.bias.to_local()
+    return F.linear(x_full, module.weight.to_local(), bias)
 
 
 def _distribute(param: nn.Parameter, mesh: DeviceMesh, placements: Sequence[Placement]) -> nn.Parameter:

@@ -59,8 +59,8 @@ def test_harness_turns_a_hang_into_a_failure():
     from tests.parallel._launch import DeadlineExceeded, run_distributed
 
     start = time.monotonic()
-    with pytest.raises(DeadlineExceeded, match=r"ranks \[0\] did not finish within 3 s"):
-        run_distributed(2, _rank0_waits_alone, timeout=3)
+    with pytest.raises(DeadlineExceeded, match=r"ranks \[0\] did not finish within 10 s"):
+        run_distributed(2, _rank0_waits_alone, timeout=10)
     assert time.monotonic() - start < 30
 
 

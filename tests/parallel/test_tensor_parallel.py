@@ -30,7 +30,7 @@ from moe_core.parallel.fsdp import split_expert_params
 from moe_core.parallel.grad_clip import clip_grad_norm_
 from moe_core.parallel.launch import rank_slice
 from moe_core.parallel.loss import reduce_loss_for_logging
-from moe_core.parallel.state import expert_param_names, load_full_state_dict
+from moe_core.parallel.state import expert_param_names, full_tensor, load_full_state_dict
 from moe_core.parallel.tensor_parallel import apply_tensor_parallel
 from moe_core.training.config import TrainingConfig
 from moe_core.training.step import build_optimizer
@@ -62,7 +62,7 @@ def tp_config(tp: int = 1, ep: int = 1, etp: int = 1, shared: bool = True, gate:
 
 def _full(t: torch.Tensor, expert: bool, pg) -> torch.Tensor:
     """The single-process tensor: a DTensor's full tensor, an expert tensor gathered over EP."""
-    t = t.full_tensor() if isinstance(t, DTensor) else t
+    t = full_tensor(t)
     return all_gather_first_dim(t.detach().contiguous(), pg.ep) if expert else t.detach()
 
 

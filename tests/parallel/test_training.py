@@ -21,6 +21,7 @@ from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
 from moe_core.parallel.grad_clip import clip_grad_norm_
 from moe_core.parallel.loss import global_token_count, reduce_loss_for_logging, token_mean_loss
+from moe_core.parallel.state import full_tensor
 from tests.parallel._common import compare, groups
 from tests.parallel._launch import DeadlineExceeded, RankFailure, device, run_distributed
 from tests.parallel._models import (
@@ -45,7 +46,7 @@ WRAPPERS = {"ddp": apply_ddp, "fsdp2": apply_fsdp2}
 def _full(t: torch.Tensor | None, like: torch.Tensor, expert: bool, pg) -> torch.Tensor:
     """Full tensor of a (DTensor) parameter or grad; expert tensors gathered over EP to [E, ...]."""
     t = torch.zeros(like.shape, device=like.device) if t is None else t
-    t = t.full_tensor() if isinstance(t, DTensor) else t
+    t = full_tensor(t)
     return all_gather_first_dim(t.detach().contiguous(), pg.ep) if expert else t.detach()
 
 
