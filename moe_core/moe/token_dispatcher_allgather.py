@@ -10,7 +10,8 @@ combine:   unpermute (gather-sum) into [G, H], sum reduce-scatter           -> [
 Row order inside an expert is (source rank, token index), the same as ``MoEAlltoAllTokenDispatcher``, so
 both feed the experts identical inputs. Three all-gathers in dispatch and one reduce-scatter in combine on
 every rank (mirrors in backward); tokens_per_expert stays on the device, so the dispatcher itself needs no
-host sync (``permute`` may, to size its output).
+host sync (``permute`` may, to size its output). Under torch.compile both run eagerly, as the all-to-all
+dispatcher's EP exchange does (its module docstring says why): the expert compute around them compiles.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class AllGatherDispatchMeta:
 class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
     """Same arguments and contract as ``MoEAlltoAllTokenDispatcher``; every EP rank must pass the same T."""
 
+    @torch.compiler.disable
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
         """See ``MoEAlltoAllTokenDispatcher.dispatch``."""
         check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
@@ -60,6 +62,7 @@ class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
         meta = AllGatherDispatchMeta(row_map)
         return permuted_RH, tokens_per_expert_L, permuted_probs_R.float(), meta
 
+    @torch.compiler.disable
     def combine(self, expert_output: torch.Tensor, meta: AllGatherDispatchMeta) -> torch.Tensor:
         """Scatter-add ``expert_output`` [R, H] into the gathered tokens, then keep this rank's [T, H] sum."""
         out_GH = unpermute(expert_output, meta.row_map)

@@ -31,6 +31,10 @@ dispatch:  exchange the per-expert counts unless drop_and_pad (static), copy to 
 combine:   one gather back to (source rank, local expert) order -> reverse all_to_all -> unpermute (gather-sum)
 With L = 1 rows arrive sorted: rows and probs travel unpacked in two all-to-alls and nothing is sorted.
 
+Under torch.compile the EP exchange (dispatch and combine at ep > 1) runs eagerly: its split sizes are host data
+from the count exchange, which a traced graph would have to take as symbolic sizes (some torch releases fail to
+trace them). The expert compute around it compiles.
+
 Every rank issues the same collectives in the same order whatever the routing, a rank sending or receiving
 nothing included: the count exchange (not with drop_and_pad), the rows' all-to-all (plus the probs' with L = 1),
 combine's all-to-all, and their mirrors in backward.
@@ -132,19 +136,25 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
 
         Probs were applied inside the experts, so this is a pure sum over each token's rows.
         """
+        if self.ep_size == 1:
+            return unpermute(expert_output, meta.row_map)
+        return self._combine_ep(expert_output, meta)
+
+    @torch.compiler.disable
+    def _combine_ep(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
         out = expert_output  # [R, H], then [N or R, H] to send, then [N_s or R_s, H] back on this rank
-        if self.ep_size > 1:
-            if meta.received_map is not None:
-                out = unpermute_rows(out, meta.received_map.token_of_row, meta.received_map.row_of_slot)
-            elif meta.unsort_index is not None:
-                out = permute_rows(out, meta.unsort_index, meta.sort_index.unsqueeze(1))
-            out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
+        if meta.received_map is not None:
+            out = unpermute_rows(out, meta.received_map.token_of_row, meta.received_map.row_of_slot)
+        elif meta.unsort_index is not None:
+            out = permute_rows(out, meta.unsort_index, meta.sort_index.unsqueeze(1))
+        out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
         return unpermute(out, meta.row_map)
 
     def _permute_kwargs(self, num_tokens: int, probs: torch.Tensor) -> dict:
         return dict(probs=probs, num_out_tokens=self.num_out_tokens(num_tokens), drop_and_pad=self.drop_and_pad,
                     num_slots=None if self.drop_and_pad else self.topk)
 
+    @torch.compiler.disable
     def _dispatch_token_rows(self, hidden, probs, routing_map):
         num_tokens, hidden_size = hidden.shape
         ep, num_local, topk = self.ep_size, self.num_local_experts, self.topk
@@ -180,6 +190,7 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         meta = AlltoAllDispatchMeta(sent_map, tuple(input_splits), tuple(output_splits), received_map=received_map)
         return rows_RH, routing_NL.sum(dim=0), probs_R, meta
 
+    @torch.compiler.disable
     def _dispatch_expert_rows(self, hidden, probs, routing_map):
         num_tokens, hidden_size = hidden.shape
         ep, num_local = self.ep_size, self.num_local_experts
