@@ -5,7 +5,9 @@
     python3 tools/bench_moe_layer.py --smoke --json smoke.json                 # CPU, a tiny shape (the CI test)
 
 Providers: ``moe_core`` (``MoELayer``, grouped-GEMM experts) eager and ``moe_core_compiled``
-(``torch.compile(layer, fullgraph=True)``; ``--no-fullgraph`` lets it break the graph); ``native`` and
+(``torch.compile(layer, fullgraph=True)``; ``--no-fullgraph`` lets it break the graph); the same two with
+``moe_apply_probs_on_output`` (``moe_core_probs_on_output[_compiled]``: probs times each expert's output rather
+than its activation, the placement A/B of issue 41); ``native`` and
 ``native_compiled``, torchtitan's design in plain PyTorch (tools/_native_moe.py); ``hf``, transformers'
 ``Qwen3MoeSparseMoeBlock`` with ``experts_implementation="grouped_mm"`` (when transformers is importable);
 ``sequential``, ``MoELayer`` with SequentialMLP experts (a quarter of the iterations). All compute one
@@ -67,7 +69,8 @@ SHAPES = {
     "deepseek_v3_ep32_local": (8192, 7168, 2048, 8, 8),
 }
 SMOKE_SHAPES = {"smoke": (64, 32, 16, 8, 2)}
-PROVIDERS = ("moe_core", "moe_core_compiled", "native", "native_compiled", "hf", "sequential")
+PROVIDERS = ("moe_core", "moe_core_compiled", "moe_core_probs_on_output", "moe_core_probs_on_output_compiled", "native",
+             "native_compiled", "hf", "sequential")
 PASSES = ("fwd", "fwd+bwd")
 REFERENCES = ("native", "native_compiled", "hf")  # the speed-up columns
 
@@ -91,6 +94,17 @@ def sequential_layer(layer: MoELayer) -> MoELayer:
         expert.linear_fc1.weight.copy_(layer.experts.fc1.weight[e].t())
         expert.linear_fc2.weight.copy_(layer.experts.fc2.weight[e].t())
     return seq
+
+
+@torch.no_grad()
+def probs_on_output_layer(layer: MoELayer) -> MoELayer:
+    """``layer`` with ``moe_apply_probs_on_output``: the same weights, probs multiplying each expert's output
+    instead of its activation (the same function, rounded elsewhere)."""
+    weight = layer.experts.fc1.weight
+    with torch.device(weight.device):
+        variant = MoELayer(dataclasses.replace(layer.config, moe_apply_probs_on_output=True)).to(weight.dtype)
+    variant.load_state_dict(layer.state_dict())
+    return variant
 
 
 @torch.no_grad()
@@ -120,9 +134,10 @@ def hf_block(layer: MoELayer) -> torch.nn.Module:
 def build_provider(name: str, layer: MoELayer, args) -> tuple:
     """``(fn, params)``: ``fn(x [T, H]) -> [T, H]`` and the weights it differentiates."""
     compile_kwargs = dict(fullgraph=args.fullgraph, backend=args.compile_backend)
-    if name in ("moe_core", "moe_core_compiled"):
-        module = layer if name == "moe_core" else torch.compile(layer, **compile_kwargs)
-        return module, list(layer.parameters())
+    if name.startswith("moe_core"):
+        base = probs_on_output_layer(layer) if "probs_on_output" in name else layer
+        module = torch.compile(base, **compile_kwargs) if name.endswith("_compiled") else base
+        return module, list(base.parameters())
     if name in ("native", "native_compiled"):
         native = NativeMoE.from_moe_layer(layer)
         return (native if name == "native" else torch.compile(native, **compile_kwargs)), list(native.parameters())
@@ -204,7 +219,7 @@ def print_table(rows: list[dict]) -> None:
     def pct(share):
         return None if share is None else 100 * share
 
-    print_rows(rows, [("shape", 24), ("pass", 8), ("provider", 18)], [
+    print_rows(rows, [("shape", 24), ("pass", 8), ("provider", 33)], [
         ("ms", 9, lambda r: f"{r['median_ms']:.3f}"), ("spread", 7, lambda r: f"{100 * r['spread']:.1f}%"),
         ("TFLOP/s", 8, lambda r: fmt(r["tflops"], ".1f")),
         ("vs native", 9, lambda r: fmt(r["speedup_vs_native"], ".2f")),
