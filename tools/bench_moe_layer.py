@@ -5,7 +5,8 @@
     python3 tools/bench_moe_layer.py --smoke --json smoke.json                 # CPU, a tiny shape (the CI test)
 
 Providers: ``moe_core`` (``MoELayer``, grouped-GEMM experts) eager and ``moe_core_compiled``
-(``torch.compile(layer, fullgraph=True)``; ``--no-fullgraph`` lets it break the graph); the same two with
+(``torch.compile(layer, fullgraph=True)``; ``--no-fullgraph`` lets it break the graph, ``--compile-mode
+reduce-overhead`` replays CUDA graphs, for every compiled provider); the same two with
 ``moe_apply_probs_on_output`` (``moe_core_probs_on_output[_compiled]``: probs times each expert's output rather
 than its activation, the placement A/B of issue 41); ``native`` and
 ``native_compiled``, torchtitan's design in plain PyTorch (tools/_native_moe.py); ``hf``, transformers'
@@ -133,19 +134,28 @@ def hf_block(layer: MoELayer) -> torch.nn.Module:
 
 def build_provider(name: str, layer: MoELayer, args) -> tuple:
     """``(fn, params)``: ``fn(x [T, H]) -> [T, H]`` and the weights it differentiates."""
-    compile_kwargs = dict(fullgraph=args.fullgraph, backend=args.compile_backend)
     if name.startswith("moe_core"):
         base = probs_on_output_layer(layer) if "probs_on_output" in name else layer
-        module = torch.compile(base, **compile_kwargs) if name.endswith("_compiled") else base
-        return module, list(base.parameters())
+        return (_compiled(base, args) if name.endswith("_compiled") else base), list(base.parameters())
     if name in ("native", "native_compiled"):
         native = NativeMoE.from_moe_layer(layer)
-        return (native if name == "native" else torch.compile(native, **compile_kwargs)), list(native.parameters())
+        return (native if name == "native" else _compiled(native, args)), list(native.parameters())
     if name == "hf":
         block = hf_block(layer)
         return (lambda x: block(x.unsqueeze(0)).squeeze(0)), list(block.parameters())
     seq = sequential_layer(layer)
     return seq, list(seq.parameters())
+
+
+def _compiled(module: torch.nn.Module, args):
+    compiled = torch.compile(module, fullgraph=args.fullgraph, backend=args.compile_backend, mode=args.compile_mode)
+    if args.compile_mode != "reduce-overhead":
+        return compiled
+
+    def step(x):  # each call a new CUDA-graph step: the previous call's outputs are not read again
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(x)
+    return step
 
 
 def pass_fn(fn, params: list, x: torch.Tensor, dy: torch.Tensor, name: str):
@@ -240,6 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-fullgraph", dest="fullgraph", action="store_false",
                         help="let torch.compile break the graph")
     parser.add_argument("--compile-backend", help="torch.compile backend (default inductor; --smoke aot_eager)")
+    parser.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                        help="torch.compile mode of the compiled providers (reduce-overhead: CUDA graphs)")
     parser.add_argument("--smoke", action="store_true", help="CPU, float32, a tiny shape, a few iterations")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
