@@ -56,7 +56,6 @@ def load_full_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor],
     model.load_state_dict(state)
 
 
-@torch.no_grad()
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of ``t``: a DTensor gathered over its mesh (collective), anything else as it is.
 
@@ -88,6 +87,7 @@ def _gather_pieces(x: torch.Tensor, placement: Shard | _StridedShard, group, siz
     return torch.cat([chunk[j] for j in range(pieces) for chunk in chunks]).movedim(0, placement.dim)
 
 
+@torch.no_grad()
 def gather_full_state_dict(model: nn.Module, pg_collection: ProcessGroupCollection | None) -> dict[str, torch.Tensor]:
     """The single-process parameters of a (wrapped) EP model, full tensors on every rank. Collective.
 

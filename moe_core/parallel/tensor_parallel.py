@@ -69,7 +69,6 @@ class GatedColwiseParallel(ParallelStyle):
     def __init__(self, *, input_layouts: Placement) -> None:
         super().__init__()
         self.input_layout = input_layouts
-        self.src_data_rank = None
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
