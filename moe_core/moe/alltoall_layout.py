@@ -6,6 +6,8 @@ Legend (docs/design.md): T tokens, E experts, L local experts per EP rank, K top
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -53,26 +55,21 @@ def token_rows(dest_TR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return positions.remainder(tokens), positions.div(tokens, rounding_mode="floor"), row_of_slot
 
 
-def token_experts(routing_map: torch.Tensor, probs: torch.Tensor, num_slots: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's experts in ascending order, ``[T, K]`` int64 (-1 in empty slots), and their probs ``[T, K]``
-    float32 (0 in empty slots; differentiable in ``probs``). K = ``num_slots``, at least any token's expert count."""
-    num_experts = routing_map.shape[1]
-    key = torch.where(routing_map, -torch.arange(num_experts, device=routing_map.device, dtype=torch.float32),
-                      -float("inf"))
-    order = key.topk(num_slots, dim=1).indices  # routed experts first, lowest id first
-    valid = routing_map.gather(1, order)
-    return torch.where(valid, order, -1), probs.float().gather(1, order) * valid
+def row_probs(routing_map: torch.Tensor, probs: torch.Tensor, token_of_row: torch.Tensor, dest_of_row: torch.Tensor,
+              ep: int) -> torch.Tensor:
+    """``[N_s, L]`` float32, a tail per sent row: its token's probs for the L experts of the row's destination rank,
+    -inf where the token is not routed (the receiver reads the routing from it; a routed prob is finite, whatever
+    its sign). Differentiable in ``probs``.
+
+    Args:
+        routing_map: ``[T, E]`` bool. probs: ``[T, E]`` float (any value where not routed). token_of_row /
+            dest_of_row: ``[N_s]`` int64, each row's token and destination rank (``token_rows``; filler rows'
+            rank -1 reads the last rank, sliced away by the caller).
+        ep: the EP size; ``E = ep * L``.
+    """
+    num_tokens, num_experts = routing_map.shape
+    tail = torch.where(routing_map, probs.float(), -math.inf).view(num_tokens, ep, num_experts // ep)
+    return tail[token_of_row, dest_of_row]
 
 
-def row_values(experts_TK: torch.Tensor, probs_TK: torch.Tensor, token_of_row: torch.Tensor,
-                dest_of_row: torch.Tensor, num_local: int) -> torch.Tensor:
-    """``[N_s, 2K]`` float32, a tail per sent row: its token's experts on the row's destination as local ids
-    (exact in float32; -1 in other slots), then their probs (0 in other slots)."""
-    experts = experts_TK[token_of_row]
-    here = (experts >= 0) & (experts.div(num_local, rounding_mode="floor") == dest_of_row.unsqueeze(1))
-    local = torch.where(here, experts.remainder(num_local), -1)
-    return torch.cat([local.float(), probs_TK[token_of_row] * here], dim=1)
-
-
-__all__ = ["chunk_transpose_index", "token_rows", "token_experts", "row_values"]
+__all__ = ["chunk_transpose_index", "token_rows", "row_probs"]

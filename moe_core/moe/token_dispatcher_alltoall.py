@@ -13,8 +13,8 @@ per expert sends 8), and the receiver expands it.
 
 dispatch:  exchange the counts (per peer: rows for each of its L experts and the tokens it gets), copy them to the
            host and wait                                   (the host sync)
-           pack [T, H] -> [N_s, W] rank-major, token order; each row's tail holds its token's experts on that rank
-           and their probs                                 (one gather)
+           pack [T, H] -> [N_s, W] rank-major, token order; each row's tail holds its token's probs for that rank's
+           L experts, -inf where not routed                (one gather)
            all_to_all                                       -> [N, W] source-major
            gather by local expert out of the packed rows    -> [R, H], probs [R]   (one gather)
 combine:   sum each received token's expert rows           -> [N, H]             (gather-sum)
@@ -56,11 +56,12 @@ all-gather dispatcher's reduce-scatter does the same); the expert-row combine su
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.alltoall_layout import chunk_transpose_index, row_values, token_experts, token_rows
+from moe_core.moe.alltoall_layout import chunk_transpose_index, row_probs, token_rows
 from moe_core.moe.moe_utils import (
     RowMap,
     build_row_map,
@@ -166,8 +167,7 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         _, counts_copy = self._exchange_counts(counts_RC.reshape(-1), num_local + 1)
         # Sized for T * ep rows until the host knows N_s: all of it queued before the host waits.
         token_of_row, dest_of_row, row_of_slot = token_rows(dest_TR)
-        experts_TK, probs_TK = token_experts(routing_map, probs, topk)
-        values = row_values(experts_TK, probs_TK, token_of_row, dest_of_row, num_local)  # [T * ep, 2K]
+        values = row_probs(routing_map, probs, token_of_row, dest_of_row, ep)  # [T * ep, L]
         host = counts_copy.wait()
         sent_RC, received_RC = host[:ep * (num_local + 1)], host[ep * (num_local + 1):]
         input_splits, output_splits = sent_RC[num_local::num_local + 1], received_RC[num_local::num_local + 1]
@@ -178,14 +178,10 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
                            compute_dtype(hidden))
         received = all_to_all(packed, output_splits, input_splits, self.ep_group)  # [N, W]
 
-        local_NK = packed_values(received, hidden_size, 2 * topk)[:, :topk].long()
-        slot_column = torch.where(local_NK >= 0, local_NK, num_local)  # empty slots write a spare column
-        routing_NL = received.new_zeros(received.shape[0], num_local + 1, dtype=torch.bool).scatter_(
-            1, slot_column, True)[:, :num_local]
+        routing_NL = packed_values(received, hidden_size, num_local) > -math.inf
         received_map, expert_of_row = build_row_map(routing_NL, topk, num_out_tokens=num_expert_rows)
-        rows_RH, values_NV = unpack_rows(received, received_map.token_of_row.unsqueeze(1), received_map.row_of_slot,
-                                         hidden_size, 2 * topk)
-        probs_NL = values_NV.new_zeros(received.shape[0], num_local + 1).scatter(1, slot_column, values_NV[:, topk:])
+        rows_RH, probs_NL = unpack_rows(received, received_map.token_of_row.unsqueeze(1), received_map.row_of_slot,
+                                        hidden_size, num_local)
         probs_R = probs_NL[received_map.token_of_row, expert_of_row]
         meta = AlltoAllDispatchMeta(sent_map, tuple(input_splits), tuple(output_splits), received_map=received_map)
         return rows_RH, routing_NL.sum(dim=0), probs_R, meta

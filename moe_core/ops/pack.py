@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_core.ops.eager import EagerOp
 from moe_core.ops.permute import gather_rows_into, gather_sum_rows_into
 
 _ALIGN = 16  # columns
@@ -52,7 +53,6 @@ def _gather_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> N
         gather_sum_rows_into(src, index, out)
 
 
-@torch.library.custom_op("moe_core::pack_rows", mutates_args=())
 def _pack_rows(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
     hidden_size, num_values = x.shape[1], values.shape[1]
@@ -63,7 +63,6 @@ def _pack_rows(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, inver
     return packed
 
 
-@torch.library.custom_op("moe_core::unpack_rows", mutates_args=())
 def _unpack_rows(packed: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, hidden_size: int,
                  num_values: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     out = packed.new_empty(index.shape[0], hidden_size, dtype=out_dtype)
@@ -71,12 +70,16 @@ def _unpack_rows(packed: torch.Tensor, index: torch.Tensor, inverse: torch.Tenso
     return out, _tail(packed, hidden_size, num_values).clone()
 
 
-@_pack_rows.register_fake
+_pack_op = torch.library.custom_op("moe_core::pack_rows", _pack_rows, mutates_args=())
+_unpack_op = torch.library.custom_op("moe_core::unpack_rows", _unpack_rows, mutates_args=())
+
+
+@_pack_op.register_fake
 def _(x, values, index, inverse, out_dtype):
     return x.new_empty(index.shape[0], packed_width(x.shape[1], values.shape[1], out_dtype), dtype=out_dtype)
 
 
-@_unpack_rows.register_fake
+@_unpack_op.register_fake
 def _(packed, index, inverse, hidden_size, num_values, out_dtype):
     return (packed.new_empty(index.shape[0], hidden_size, dtype=out_dtype),
             packed.new_empty(packed.shape[0], num_values, dtype=torch.float32))
@@ -90,8 +93,7 @@ def _setup_pack(ctx, inputs, output):
 
 def _pack_rows_backward(ctx, grad):
     index, inverse = ctx.saved_tensors
-    grad_x, grad_values = torch.ops.moe_core.unpack_rows(grad, inverse, index, ctx.hidden_size, ctx.num_values,
-                                                         ctx.x_dtype)
+    grad_x, grad_values = _UNPACK_ROWS(grad, inverse, index, ctx.hidden_size, ctx.num_values, ctx.x_dtype)
     return grad_x, grad_values, None, None, None
 
 
@@ -109,12 +111,14 @@ def _unpack_rows_backward(ctx, grad_out, grad_values):
         grad_out = torch.zeros(index.shape[0], ctx.hidden_size, device=index.device)
     if grad_values is None:
         grad_values = torch.zeros(ctx.num_packed, ctx.num_values, device=index.device)
-    grad = torch.ops.moe_core.pack_rows(grad_out, grad_values.float(), inverse, index, ctx.packed_dtype)
+    grad = _PACK_ROWS(grad_out, grad_values.float(), inverse, index, ctx.packed_dtype)
     return grad, None, None, None, None, None
 
 
-_pack_rows.register_autograd(_pack_rows_backward, setup_context=_setup_pack)
-_unpack_rows.register_autograd(_unpack_rows_backward, setup_context=_setup_unpack)
+_pack_op.register_autograd(_pack_rows_backward, setup_context=_setup_pack)
+_unpack_op.register_autograd(_unpack_rows_backward, setup_context=_setup_unpack)
+_PACK_ROWS = EagerOp(torch.ops.moe_core.pack_rows, _pack_rows, _setup_pack, _pack_rows_backward)
+_UNPACK_ROWS = EagerOp(torch.ops.moe_core.unpack_rows, _unpack_rows, _setup_unpack, _unpack_rows_backward)
 
 
 def pack_rows(x_NH: torch.Tensor, values_MV: torch.Tensor, index_MK: torch.Tensor, inverse_NK: torch.Tensor,
@@ -135,7 +139,7 @@ def pack_rows(x_NH: torch.Tensor, values_MV: torch.Tensor, index_MK: torch.Tenso
         raise TypeError(f"values_MV: expected float32 [{index_MK.shape[0]}, V], got {values_MV.dtype} "
                         f"{tuple(values_MV.shape)}")
     _check_indices(index_MK, inverse_NK, x_NH.shape[0])
-    return torch.ops.moe_core.pack_rows(x_NH, values_MV, index_MK, inverse_NK, out_dtype or x_NH.dtype)
+    return _PACK_ROWS(x_NH, values_MV, index_MK, inverse_NK, out_dtype or x_NH.dtype)
 
 
 def unpack_rows(packed_MW: torch.Tensor, index_NK: torch.Tensor, inverse_MK: torch.Tensor, hidden_size: int,
@@ -156,8 +160,7 @@ def unpack_rows(packed_MW: torch.Tensor, index_NK: torch.Tensor, inverse_MK: tor
         raise ValueError(f"packed_MW: expected [M, {width}] for hidden_size {hidden_size} and {num_values} values, "
                          f"got {tuple(packed_MW.shape)}")
     _check_indices(index_NK, inverse_MK, packed_MW.shape[0])
-    return torch.ops.moe_core.unpack_rows(packed_MW, index_NK, inverse_MK, hidden_size, num_values,
-                                          out_dtype or packed_MW.dtype)
+    return _UNPACK_ROWS(packed_MW, index_NK, inverse_MK, hidden_size, num_values, out_dtype or packed_MW.dtype)
 
 
 def _check_indices(index: torch.Tensor, inverse: torch.Tensor, num_sources: int) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_core.ops.eager import EagerOp
 from moe_core.ops.reference import gather_rows_ref, gather_sum_rows_ref
 from moe_core.ops.triton_available import triton_available
 
@@ -40,28 +41,16 @@ def gather_sum_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tens
     return out.copy_(gather_sum_rows_ref(src, index, out.dtype))
 
 
-@torch.library.custom_op("moe_core::permute_rows", mutates_args=())
 def _permute_rows(x: torch.Tensor, token_of_row: torch.Tensor, row_of_slot: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
     out = x.new_empty(token_of_row.shape[0], x.shape[1], dtype=out_dtype)
     return gather_rows_into(x, token_of_row, out)
 
 
-@torch.library.custom_op("moe_core::unpermute_rows", mutates_args=())
 def _unpermute_rows(y: torch.Tensor, token_of_row: torch.Tensor, row_of_slot: torch.Tensor,
                     out_dtype: torch.dtype) -> torch.Tensor:
     out = y.new_empty(row_of_slot.shape[0], y.shape[1], dtype=out_dtype)
     return gather_sum_rows_into(y, row_of_slot, out)
-
-
-@_permute_rows.register_fake
-def _(x, token_of_row, row_of_slot, out_dtype):
-    return x.new_empty(token_of_row.shape[0], x.shape[1], dtype=out_dtype)
-
-
-@_unpermute_rows.register_fake
-def _(y, token_of_row, row_of_slot, out_dtype):
-    return y.new_empty(row_of_slot.shape[0], y.shape[1], dtype=out_dtype)
 
 
 def _save_maps(ctx, inputs, output):
@@ -72,16 +61,32 @@ def _save_maps(ctx, inputs, output):
 
 def _permute_rows_backward(ctx, grad):
     token_of_row, row_of_slot = ctx.saved_tensors
-    return torch.ops.moe_core.unpermute_rows(grad, token_of_row, row_of_slot, ctx.src_dtype), None, None, None
+    return _UNPERMUTE_ROWS(grad, token_of_row, row_of_slot, ctx.src_dtype), None, None, None
 
 
 def _unpermute_rows_backward(ctx, grad):
     token_of_row, row_of_slot = ctx.saved_tensors
-    return torch.ops.moe_core.permute_rows(grad, token_of_row, row_of_slot, ctx.src_dtype), None, None, None
+    return _PERMUTE_ROWS(grad, token_of_row, row_of_slot, ctx.src_dtype), None, None, None
 
 
-_permute_rows.register_autograd(_permute_rows_backward, setup_context=_save_maps)
-_unpermute_rows.register_autograd(_unpermute_rows_backward, setup_context=_save_maps)
+_permute_op = torch.library.custom_op("moe_core::permute_rows", _permute_rows, mutates_args=())
+_unpermute_op = torch.library.custom_op("moe_core::unpermute_rows", _unpermute_rows, mutates_args=())
+
+
+@_permute_op.register_fake
+def _(x, token_of_row, row_of_slot, out_dtype):
+    return x.new_empty(token_of_row.shape[0], x.shape[1], dtype=out_dtype)
+
+
+@_unpermute_op.register_fake
+def _(y, token_of_row, row_of_slot, out_dtype):
+    return y.new_empty(row_of_slot.shape[0], y.shape[1], dtype=out_dtype)
+
+
+_permute_op.register_autograd(_permute_rows_backward, setup_context=_save_maps)
+_unpermute_op.register_autograd(_unpermute_rows_backward, setup_context=_save_maps)
+_PERMUTE_ROWS = EagerOp(torch.ops.moe_core.permute_rows, _permute_rows, _save_maps, _permute_rows_backward)
+_UNPERMUTE_ROWS = EagerOp(torch.ops.moe_core.unpermute_rows, _unpermute_rows, _save_maps, _unpermute_rows_backward)
 
 
 def permute_rows(x_TH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot_TK: torch.Tensor,
@@ -93,7 +98,7 @@ def permute_rows(x_TH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot_T
         x_TH: ``[T, H]`` float. token_of_row_R: ``[R]`` int64. row_of_slot_TK: ``[T, K]`` int64, the
         inverse map (used by the backward).
     """
-    return torch.ops.moe_core.permute_rows(x_TH, token_of_row_R, row_of_slot_TK, out_dtype or x_TH.dtype)
+    return _PERMUTE_ROWS(x_TH, token_of_row_R, row_of_slot_TK, out_dtype or x_TH.dtype)
 
 
 def unpermute_rows(y_RH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot_TK: torch.Tensor,
@@ -101,7 +106,7 @@ def unpermute_rows(y_RH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot
     """``[T, H]``: row t sums ``y_RH[row_of_slot_TK[t, k]]`` over its non-empty slots in slot order, in float32
     (float64 for float64 rows), cast to ``out_dtype`` (default y's). Differentiable in y; its backward is
     ``permute_rows`` of the gradient (padding rows, index -1, get zero gradient)."""
-    return torch.ops.moe_core.unpermute_rows(y_RH, token_of_row_R, row_of_slot_TK, out_dtype or y_RH.dtype)
+    return _UNPERMUTE_ROWS(y_RH, token_of_row_R, row_of_slot_TK, out_dtype or y_RH.dtype)
 
 
 __all__ = ["permute_rows", "unpermute_rows", "gather_rows_into", "gather_sum_rows_into"]

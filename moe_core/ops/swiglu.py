@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from moe_core.ops.eager import EagerOp
 from moe_core.ops.reference import swiglu_with_probs_backward_ref, swiglu_with_probs_ref
 from moe_core.ops.triton_available import triton_available
 
@@ -19,7 +20,6 @@ def _use_triton(fc1_out: torch.Tensor) -> bool:
     return fc1_out.is_cuda and triton_available()
 
 
-@torch.library.custom_op("moe_core::swiglu_with_probs", mutates_args=())
 def _swiglu_with_probs(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     if _use_triton(fc1_out):
         from moe_core.ops.triton.swiglu import swiglu_probs_fwd
@@ -28,7 +28,6 @@ def _swiglu_with_probs(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tens
     return swiglu_with_probs_ref(fc1_out, probs)
 
 
-@torch.library.custom_op("moe_core::swiglu_with_probs_backward", mutates_args=())
 def _swiglu_with_probs_backward(grad: torch.Tensor, fc1_out: torch.Tensor, probs: torch.Tensor
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(fc1_out):
@@ -38,12 +37,17 @@ def _swiglu_with_probs_backward(grad: torch.Tensor, fc1_out: torch.Tensor, probs
     return swiglu_with_probs_backward_ref(grad, fc1_out, probs)
 
 
-@_swiglu_with_probs.register_fake
+_swiglu_op = torch.library.custom_op("moe_core::swiglu_with_probs", _swiglu_with_probs, mutates_args=())
+_swiglu_backward_op = torch.library.custom_op("moe_core::swiglu_with_probs_backward", _swiglu_with_probs_backward,
+                                              mutates_args=())
+
+
+@_swiglu_op.register_fake
 def _(fc1_out, probs):
     return fc1_out.new_empty(fc1_out.shape[0], fc1_out.shape[1] // 2)
 
 
-@_swiglu_with_probs_backward.register_fake
+@_swiglu_backward_op.register_fake
 def _(grad, fc1_out, probs):
     return torch.empty_like(fc1_out), torch.empty_like(probs)
 
@@ -54,10 +58,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     fc1_out, probs = ctx.saved_tensors
-    return tuple(torch.ops.moe_core.swiglu_with_probs_backward(grad, fc1_out, probs))
+    return tuple(_SWIGLU_BACKWARD(grad, fc1_out, probs))
 
 
-_swiglu_with_probs.register_autograd(_backward, setup_context=_setup)
+_swiglu_op.register_autograd(_backward, setup_context=_setup)
+_SWIGLU = EagerOp(torch.ops.moe_core.swiglu_with_probs, _swiglu_with_probs, _setup, _backward)
+_SWIGLU_BACKWARD = EagerOp(torch.ops.moe_core.swiglu_with_probs_backward, _swiglu_with_probs_backward)
 
 
 def swiglu_with_probs(fc1_out_RF2: torch.Tensor, probs_R: torch.Tensor) -> torch.Tensor:
@@ -75,7 +81,7 @@ def swiglu_with_probs(fc1_out_RF2: torch.Tensor, probs_R: torch.Tensor) -> torch
         raise ValueError(f"fc1_out_RF2: expected [R, 2F], got {tuple(fc1_out_RF2.shape)}")
     if probs_R.shape != fc1_out_RF2.shape[:1]:
         raise ValueError(f"probs_R: expected [{fc1_out_RF2.shape[0]}], got {tuple(probs_R.shape)}")
-    return torch.ops.moe_core.swiglu_with_probs(fc1_out_RF2, probs_R)
+    return _SWIGLU(fc1_out_RF2, probs_R)
 
 
 __all__ = ["swiglu_with_probs"]

@@ -1,11 +1,12 @@
 """The alltoall dispatcher's index maps: chunk_transpose_index against the split-and-concatenate of Megatron's
-sort_chunks_by_idxs written out here; token_rows against build_row_map; token_experts and row_values against
-loops."""
+sort_chunks_by_idxs written out here; token_rows against build_row_map; row_probs against loops."""
+
+import math
 
 import pytest
 import torch
 
-from moe_core.moe.alltoall_layout import chunk_transpose_index, row_values, token_experts, token_rows
+from moe_core.moe.alltoall_layout import chunk_transpose_index, row_probs, token_rows
 from moe_core.moe.moe_utils import build_row_map
 
 
@@ -50,24 +51,18 @@ def test_token_rows_lead_with_build_row_maps_rows(num_tokens, ep):
                 assert (int(token_of_row[row]), int(dest_of_row[row])) == (t, r)
 
 
-def test_token_experts_and_row_values_against_loops():
+def test_row_probs_against_loops():
     g = torch.Generator().manual_seed(3)
-    num_tokens, num_experts, topk, num_local = 7, 8, 3, 4
-    routing = torch.zeros(num_tokens, num_experts, dtype=torch.bool)
-    for t in range(num_tokens):
-        routing[t, torch.randperm(num_experts, generator=g)[:1 + t % topk]] = True  # 1 to K experts
+    num_tokens, num_experts, ep = 7, 8, 2
+    num_local = num_experts // ep
+    routing = torch.rand(num_tokens, num_experts, generator=g) < 0.4
     probs = torch.rand(num_tokens, num_experts, generator=g) * routing
-    experts, expert_probs = token_experts(routing, probs, topk)
-    for t in range(num_tokens):
-        ids = routing[t].nonzero().squeeze(1).tolist()
-        assert experts[t].tolist() == ids + [-1] * (topk - len(ids))
-        assert expert_probs[t].tolist() == probs[t, ids].tolist() + [0.0] * (topk - len(ids))
+    probs[0, 1] = 0.0
+    routing[0, 1] = True  # a routed expert whose prob is exactly 0 stays routed
     token_of_row = torch.tensor([0, 3, 6, 2])
     dest_of_row = torch.tensor([0, 1, 1, 0])
-    values = row_values(experts, expert_probs, token_of_row, dest_of_row, num_local)
+    values = row_probs(routing, probs, token_of_row, dest_of_row, ep)
     for row, (t, r) in enumerate(zip(token_of_row.tolist(), dest_of_row.tolist(), strict=True)):
-        here = [e >= 0 and e // num_local == r for e in experts[t].tolist()]
-        local = [e % num_local if h else -1 for e, h in zip(experts[t].tolist(), here, strict=True)]
-        assert values[row, :topk].tolist() == local
-        assert values[row, topk:].tolist() == [p if h else 0.0 for p, h in zip(expert_probs[t].tolist(), here,
-                                                                               strict=True)]
+        experts = range(r * num_local, (r + 1) * num_local)
+        assert values[row].tolist() == [probs[t, e].item() if routing[t, e] else -math.inf for e in experts]
+    assert values[0, 1].item() == 0.0
