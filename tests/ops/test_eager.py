@@ -61,13 +61,33 @@ def test_eager_entry_matches_the_op_cuda():
     _check("cuda")
 
 
-def test_traced_and_compiled_calls_take_the_op():
-    name, eager_op, args, _ = _calls("cpu")[0]
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        out = eager_op(*fake_args)
-    assert out.shape == (args[1].shape[0], args[0].shape[1])
+class _Refuse:
+    """Stands in for the path a call must not take."""
 
+    def __call__(self, *args):
+        raise AssertionError("the op was called where the eager Function should run")
+
+    def apply(self, *args):
+        raise AssertionError("the eager Function was called where the op should run")
+
+
+def test_plain_tensors_take_the_function_and_traced_ones_the_op(monkeypatch):
+    name, eager_op, args, _ = _calls("cpu")[0]
+    with monkeypatch.context() as patch:
+        patch.setattr(eager_op, "op", _Refuse())
+        eager_op(*args)
+    with monkeypatch.context() as patch:
+        patch.setattr(eager_op, "function", _Refuse())
+        with pytest.raises(AssertionError, match="eager Function"):
+            eager_op(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            out = eager_op(*fake_args)
+        assert out.shape == (args[1].shape[0], args[0].shape[1])
+
+
+def test_compiled_calls_take_the_op():
+    name, eager_op, args, _ = _calls("cpu")[0]
     seen = []
 
     def backend(gm, example_inputs):
