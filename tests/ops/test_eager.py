@@ -72,7 +72,7 @@ class _Refuse:
 
 
 def test_plain_tensors_take_the_function_and_traced_ones_the_op(monkeypatch):
-    name, eager_op, args, _ = _calls("cpu")[0]
+    _, eager_op, args, _ = _calls("cpu")[0]
     with monkeypatch.context() as patch:
         patch.setattr(eager_op, "op", _Refuse())
         eager_op(*args)
@@ -87,7 +87,7 @@ def test_plain_tensors_take_the_function_and_traced_ones_the_op(monkeypatch):
 
 
 def test_compiled_calls_take_the_op():
-    name, eager_op, args, _ = _calls("cpu")[0]
+    _, eager_op, args, _ = _calls("cpu")[0]
     seen = []
 
     def backend(gm, example_inputs):
