@@ -29,4 +29,10 @@ void check_wgrad_inputs(const at::Tensor& x, const at::Tensor& dy, const at::Ten
   check_counts(tokens_per_expert);
 }
 
+void check_wgrad_fp32_inputs(const at::Tensor& x) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "x: expected float32, bfloat16 or float16 (the float32 gradient of autocast's operands), got ", dtype);
+}
+
 }  // namespace moe_core

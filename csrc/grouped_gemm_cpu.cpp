@@ -102,6 +102,13 @@ at::Tensor grouped_gemm_wgrad_cpu(const at::Tensor& x, const at::Tensor& dy, con
   return dw;
 }
 
+at::Tensor grouped_gemm_wgrad_fp32_cpu(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& tokens_per_expert,
+                                       bool trans_weight) {
+  check_wgrad_inputs(x, dy, tokens_per_expert);
+  check_wgrad_fp32_inputs(x);
+  return grouped_gemm_wgrad_cpu(x.to(at::kFloat), dy.to(at::kFloat), tokens_per_expert, trans_weight);
+}
+
 void grouped_gemm_wgrad_accum_cpu(at::Tensor& main_grad, const at::Tensor& x, const at::Tensor& dy,
                                   const at::Tensor& tokens_per_expert, bool trans_weight) {
   check_wgrad_inputs(x, dy, tokens_per_expert);
@@ -134,6 +141,7 @@ void grouped_gemm_wgrad_accum_cpu(at::Tensor& main_grad, const at::Tensor& x, co
 TORCH_LIBRARY_IMPL(moe_core, CPU, m) {
   m.impl("grouped_gemm", &grouped_gemm_cpu);
   m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad_cpu);
+  m.impl("grouped_gemm_wgrad_fp32", &grouped_gemm_wgrad_fp32_cpu);
   m.impl("grouped_gemm_wgrad_accum_", &grouped_gemm_wgrad_accum_cpu);
 }
 

@@ -5,6 +5,7 @@
 TORCH_LIBRARY(moe_core, m) {
   m.def("grouped_gemm(Tensor x, Tensor weight, Tensor tokens_per_expert, bool trans_weight) -> Tensor");
   m.def("grouped_gemm_wgrad(Tensor x, Tensor dy, Tensor tokens_per_expert, bool trans_weight) -> Tensor");
+  m.def("grouped_gemm_wgrad_fp32(Tensor x, Tensor dy, Tensor tokens_per_expert, bool trans_weight) -> Tensor");
   m.def("grouped_gemm_wgrad_accum_(Tensor(a!) main_grad, Tensor x, Tensor dy, Tensor tokens_per_expert, "
         "bool trans_weight) -> ()");
 }

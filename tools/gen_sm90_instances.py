@@ -33,6 +33,7 @@ OPS = {
     "kForwardNK": ("fwd_nk", "x_e @ w_e^T, w_e [N, K] (forward, or dgrad of an [E, K, N] weight)"),
     "kWgrad": ("wgrad", "wgrad"),
     "kWgradAccum": ("wgrad_accum", "wgrad accumulated into fp32 main_grad"),
+    "kWgradFp32": ("wgrad_fp32", "wgrad written in fp32"),
 }
 DTYPES = {"kBf16": "bf16", "kFp16": "fp16"}
 FORWARD = ("kForwardKN", "kForwardNK")
@@ -54,7 +55,7 @@ class Kernel:
 # The kernels pick_schedule names (grouped_gemm_sm90_schedule.h) must match these rows.
 KERNELS = (
     Kernel("kRowTile", (128, 256, 64), (1, 1), tuple(DTYPES), FORWARD),
-    Kernel("kRowRange", (128, 256, 32), (2, 1), tuple(DTYPES), ("kWgrad", "kWgradAccum")),
+    Kernel("kRowRange", (128, 256, 32), (2, 1), tuple(DTYPES), ("kWgrad", "kWgradAccum", "kWgradFp32")),
     Kernel("kPtrArray", (128, 256, 64), (1, 2), tuple(DTYPES), tuple(OPS)),
     Kernel("kPtrArray", (128, 128, 64), (1, 1), tuple(DTYPES), tuple(OPS)),
     Kernel("kPtrArray", (128, 256, 64), (2, 1), ("kBf16",), FORWARD + ("kWgrad",)),

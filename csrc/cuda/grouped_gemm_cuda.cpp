@@ -168,29 +168,31 @@ at::Tensor grouped_gemm_cuda(const at::Tensor& x, const at::Tensor& weight, cons
 }
 
 // dw[e] = x_e^T dy_e ([K, N]) or dy_e^T x_e ([N, K]): `left`'s columns become dw[e]'s rows, `right`'s its
-// columns; both are read from each expert's rows. Picks the back end and launches; `kind` accumulates or not.
+// columns; both are read from each expert's rows. Picks the back end and launches `op`: kWgrad (dw in x's dtype),
+// kWgradAccum (fp32 dw +=) or kWgradFp32 (fp32 dw =, which the portable kernels compute as zeros then +=).
 void launch_wgrad(const at::Tensor& xc, const at::Tensor& dyc, bool trans_weight, const at::Tensor& tokens_per_expert,
-                  void* out, GemmKind kind, const char* op) {
+                  const at::Tensor& out, cuda::sm90::Op op, const char* name) {
   const auto& left = trans_weight ? dyc : xc;
   const auto& right = trans_weight ? xc : dyc;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto counts = counts_on(tokens_per_expert, xc.device());
   const int64_t num_experts = counts.numel();
-  if (use_sm90(xc, {left.size(1), right.size(1)}, {left.data_ptr(), right.data_ptr(), out}, num_experts, op)) {
-    auto p = sm90_problem(kind == GemmKind::kWgradAccum ? cuda::sm90::Op::kWgradAccum : cuda::sm90::Op::kWgrad,
-                          counts, xc.size(0));
+  if (use_sm90(xc, {left.size(1), right.size(1)}, {left.data_ptr(), right.data_ptr(), out.data_ptr()}, num_experts,
+               name)) {
+    auto p = sm90_problem(op, counts, xc.size(0));
     p.a = left.data_ptr();
     p.b = right.data_ptr();
-    p.d = out;
+    p.d = out.data_ptr();
     p.m = left.size(1);
     p.n = right.size(1);
     return launch_sm90(p, xc, stream);
   }
+  if (op == cuda::sm90::Op::kWgradFp32) C10_CUDA_CHECK(cudaMemsetAsync(out.data_ptr(), 0, out.nbytes(), stream));
   const auto offsets = device_offsets(counts, xc.size(0), 1, stream);
   GroupedGemmArgs args;
   args.a = left.data_ptr();
   args.b = right.data_ptr();
-  args.c = out;
+  args.c = out.data_ptr();
   args.lda = left.size(1);
   args.ldb = right.size(1);
   args.m = left.size(1);
@@ -199,6 +201,7 @@ void launch_wgrad(const at::Tensor& xc, const at::Tensor& dyc, bool trans_weight
   args.row_offsets = offsets.data_ptr<int64_t>();
   args.vec_a = vector_ok(left, args.lda, 0);
   args.vec_b = vector_ok(right, args.ldb, 0);
+  const auto kind = op == cuda::sm90::Op::kWgrad ? GemmKind::kWgrad : GemmKind::kWgradAccum;
   cuda::launch_grouped_gemm(xc.scalar_type(), kind, args, stream);
 }
 
@@ -210,8 +213,22 @@ at::Tensor grouped_gemm_wgrad_cuda(const at::Tensor& x, const at::Tensor& dy, co
   const int64_t num_experts = tokens_per_expert.size(0), k = x.size(1), n = dy.size(1);
   auto dw = trans_weight ? at::empty({num_experts, n, k}, x.options()) : at::empty({num_experts, k, n}, x.options());
   if (dw.numel() == 0) return dw;  // shapes only: no expert or an empty weight
-  launch_wgrad(x.contiguous(), dy.contiguous(), trans_weight, tokens_per_expert, dw.data_ptr(), GemmKind::kWgrad,
+  launch_wgrad(x.contiguous(), dy.contiguous(), trans_weight, tokens_per_expert, dw, cuda::sm90::Op::kWgrad,
                "grouped_gemm_wgrad");
+  return dw;
+}
+
+at::Tensor grouped_gemm_wgrad_fp32_cuda(const at::Tensor& x, const at::Tensor& dy,
+                                        const at::Tensor& tokens_per_expert, bool trans_weight) {
+  check_wgrad_inputs(x, dy, tokens_per_expert);
+  check_wgrad_fp32_inputs(x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t num_experts = tokens_per_expert.size(0), k = x.size(1), n = dy.size(1);
+  const auto options = x.options().dtype(at::kFloat);
+  auto dw = trans_weight ? at::empty({num_experts, n, k}, options) : at::empty({num_experts, k, n}, options);
+  if (dw.numel() == 0) return dw;
+  launch_wgrad(x.contiguous(), dy.contiguous(), trans_weight, tokens_per_expert, dw, cuda::sm90::Op::kWgradFp32,
+               "grouped_gemm_wgrad_fp32");
   return dw;
 }
 
@@ -229,8 +246,8 @@ void grouped_gemm_wgrad_accum_cuda(at::Tensor& main_grad, const at::Tensor& x, c
   TORCH_CHECK(main_grad.is_contiguous(), "main_grad: expected a contiguous tensor");
   if (main_grad.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
-  launch_wgrad(x.contiguous(), dy.contiguous(), trans_weight, tokens_per_expert, main_grad.data_ptr(),
-               GemmKind::kWgradAccum, "grouped_gemm_wgrad_accum_");
+  launch_wgrad(x.contiguous(), dy.contiguous(), trans_weight, tokens_per_expert, main_grad,
+               cuda::sm90::Op::kWgradAccum, "grouped_gemm_wgrad_accum_");
 }
 
 }  // namespace
@@ -238,6 +255,7 @@ void grouped_gemm_wgrad_accum_cuda(at::Tensor& main_grad, const at::Tensor& x, c
 TORCH_LIBRARY_IMPL(moe_core, CUDA, m) {
   m.impl("grouped_gemm", &grouped_gemm_cuda);
   m.impl("grouped_gemm_wgrad", &grouped_gemm_wgrad_cuda);
+  m.impl("grouped_gemm_wgrad_fp32", &grouped_gemm_wgrad_fp32_cuda);
   m.impl("grouped_gemm_wgrad_accum_", &grouped_gemm_wgrad_accum_cuda);
 }
 

@@ -39,8 +39,9 @@ struct PtrArrayConfig {
   static constexpr Op kOp = O;
   static constexpr bool kForward = O == Op::kForwardKN || O == Op::kForwardNK;
   static constexpr bool kAccum = O == Op::kWgradAccum;
+  static constexpr bool kZeroEmpty = O == Op::kWgrad || O == Op::kWgradFp32;  // empty experts' d[e] = 0
   using Element = typename ElementOf<D>::type;
-  using ElementD = std::conditional_t<kAccum, float, Element>;
+  using ElementD = std::conditional_t<kAccum || O == Op::kWgradFp32, float, Element>;
   using ElementC = std::conditional_t<kAccum, float, void>;  // void: no source read, beta is 0
   using LayoutA = typename LayoutsOf<O>::A;
   using LayoutB = typename LayoutsOf<O>::B;
@@ -91,7 +92,7 @@ struct GroupArrays {
   void* cutlass_workspace = nullptr;
 
   static size_t zeros_bytes(const Problem& p) {
-    return C::kOp == Op::kWgrad ? (p.m + p.n) * sizeof(typename C::Element) : 0;
+    return C::kZeroEmpty ? (p.m + p.n) * sizeof(typename C::Element) : 0;
   }
   static size_t bytes(const Problem& p) {
     const int64_t e = p.num_experts;
@@ -142,6 +143,7 @@ __device__ __forceinline__ Stride leading_stride(int64_t ld) {
 template <class C, class CountT>
 __global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C> g, Problem p) {
   using Element = typename C::Element;
+  constexpr int64_t kBytesD = sizeof(typename C::ElementD);
   const auto* counts = static_cast<const CountT*>(p.counts);
   const int64_t e = blockIdx.y;
   auto* d = static_cast<typename C::ElementD*>(p.d);
@@ -149,12 +151,11 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C>
     if constexpr (C::kForward) {
       if (e != 0) return;
       const int64_t rows = min(rows_before(counts, p.num_experts, p.num_rows), p.num_rows);
-      zero_fill(d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element), blockIdx.x - 1, gridDim.x - 1);
-    } else if constexpr (C::kOp == Op::kWgrad) {
+      zero_fill(d, rows * p.n * kBytesD, p.m * p.n * kBytesD, blockIdx.x - 1, gridDim.x - 1);
+    } else if constexpr (C::kZeroEmpty) {
       if (e == 0) zero_fill(g.zeros, 0, (p.m + p.n) * sizeof(Element), blockIdx.x - 1, gridDim.x - 1);
       if (counts[e] > 0) return;
-      zero_fill(d, e * p.m * p.n * sizeof(Element), (e + 1) * p.m * p.n * sizeof(Element), blockIdx.x - 1,
-                gridDim.x - 1);
+      zero_fill(d, e * p.m * p.n * kBytesD, (e + 1) * p.m * p.n * kBytesD, blockIdx.x - 1, gridDim.x - 1);
     }
     return;
   }
@@ -217,7 +218,7 @@ struct Runner<D, O, K, Family::kPtrArray> {
   static int fill_blocks(const Problem& p) {
     if (C::kAccum) return 0;
     if (C::kForward) return 16;
-    const int64_t chunks = p.m * p.n * static_cast<int64_t>(sizeof(typename C::Element)) / 16;
+    const int64_t chunks = p.m * p.n * static_cast<int64_t>(sizeof(typename C::ElementD)) / 16;
     return static_cast<int>(std::clamp<int64_t>((chunks + kPrepareThreads * 4 - 1) / (kPrepareThreads * 4), 1, 64));
   }
 

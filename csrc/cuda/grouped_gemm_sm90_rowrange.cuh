@@ -309,27 +309,31 @@ struct RowRangeMainloop : Built {
 // depend on the k-tile; the forward's K-major operands would drop to a 64-byte one. The tiles, clusters, k-tile
 // heights and epilogues measured against this one are in docs/kernels.md.
 //
-// The wgrad's epilogue only converts (d = acc), with 4 store stages instead of the builder's 2 (fewer waits on the
-// previous subtile's store): LinearCombination's alpha = 1 would cost a multiply per element, 128 a thread per
-// tile while the tensor cores wait.
-template <class Element, class TileShape, bool kAccum>
+// The wgrad's epilogue only converts (d = acc, in ElementD: the operands' 16-bit type, or float32), with 32 KB
+// of store stages, 4 of 16-bit subtiles instead of the builder's 2 (fewer waits on the previous subtile's store),
+// 2 of float32 ones, so the mainloop keeps its depth: LinearCombination's alpha = 1 would cost a multiply per
+// element, 128 a thread per tile while the tensor cores wait.
+template <class ElementD, class TileShape, bool kAccum>
 struct RowRangeEpilogue {
   using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+  static constexpr int kStagesD = sizeof(ElementD) == 4 ? 2 : 4;
   using CollectiveOp = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
-      TileShape, cute::Shape<cute::_128, cute::_32>, float, float, void, LayoutD, 8, Element, LayoutD, 8,
+      TileShape, cute::Shape<cute::_128, cute::_32>, float, float, void, LayoutD, kAlignD, ElementD, LayoutD,
+      kAlignD,
       cutlass::epilogue::fusion::Sm90EVT<
-          cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
+          cutlass::epilogue::fusion::Sm90Compute<cutlass::epilogue::thread::Identity, ElementD, float,
                                                  cutlass::FloatRoundStyle::round_to_nearest>,
           cutlass::epilogue::fusion::Sm90AccFetch>,
       // StagesC (no source: unused), StagesD, values per thread per subtile, ReuseSmemC, DelayTmaStore
-      cutlass::epilogue::Sm90TmaWarpSpecialized<4, 4, 16, false, true>>::CollectiveOp;
+      cutlass::epilogue::Sm90TmaWarpSpecialized<4, kStagesD, 16, false, true>>::CollectiveOp;
 };
 
 // The accumulating wgrad's: d[e] (fp32 main_grad) = acc + d[e], the source read through the same 128x32 subtiles
 // (an add, no alpha or beta multiplies), with the stages CUTLASS's builder picks for a 32-bit source and
 // destination: 4 loads whose buffers the 2 stores in flight reuse.
-template <class Element, class TileShape>
-struct RowRangeEpilogue<Element, TileShape, true> {
+template <class TileShape>
+struct RowRangeEpilogue<float, TileShape, true> {
   using LayoutD = cutlass::layout::RowMajor;
   using CollectiveOp = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
       TileShape, cute::Shape<cute::_128, cute::_32>, float, float, float, LayoutD, 4, float, LayoutD, 4,
@@ -342,16 +346,16 @@ struct RowRangeEpilogue<Element, TileShape, true> {
 
 template <Dtype D, Op O, class K>
 struct RowRangeConfig {
-  static_assert(O == Op::kWgrad || O == Op::kWgradAccum);
+  static_assert(O == Op::kWgrad || O == Op::kWgradAccum || O == Op::kWgradFp32);
   static_assert(K::value.mma == Mma::kCooperative, "RowRangeMainloop's k-loop is the cooperative one");
   static constexpr bool kAccum = O == Op::kWgradAccum;
   using Element = typename ElementOf<D>::type;
-  using ElementD = std::conditional_t<kAccum, float, Element>;
+  using ElementD = std::conditional_t<kAccum || O == Op::kWgradFp32, float, Element>;
   using TileShape = cute::Shape<cute::Int<K::value.tile.m>, cute::Int<K::value.tile.n>, cute::Int<K::value.tile.k>>;
   using ClusterShape = cute::Shape<cute::Int<K::value.cluster.m>, cute::Int<K::value.cluster.n>, cute::_1>;
   using LayoutA = typename LayoutsOf<O>::A;
   using LayoutB = typename LayoutsOf<O>::B;
-  using Epilogue = typename RowRangeEpilogue<Element, TileShape, kAccum>::CollectiveOp;
+  using Epilogue = typename RowRangeEpilogue<ElementD, TileShape, kAccum>::CollectiveOp;
   using Built = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, 8, Element, LayoutB, 8, float,
       TileShape, ClusterShape,

@@ -183,6 +183,7 @@ const char* describe(Op op) {
     case Op::kForwardNK: return "forward (weight [E, N, K])";
     case Op::kWgrad: return "wgrad";
     case Op::kWgradAccum: return "wgrad accumulate";
+    case Op::kWgradFp32: return "wgrad in fp32";
   }
   return "?";
 }

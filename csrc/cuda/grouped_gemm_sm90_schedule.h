@@ -15,6 +15,7 @@ enum class Op {
   kForwardNK,   // y_e = x_e @ w_e^T, w_e [N, K] row-major (weight [E, N, K], trans_weight)
   kWgrad,       // d[e] = a_e^T @ b_e over each expert's rows; empty expert -> exact zeros
   kWgradAccum,  // fp32 d[e] += a_e^T @ b_e; empty expert -> untouched
+  kWgradFp32,   // fp32 d[e] = a_e^T @ b_e (the float32 weight's gradient under autocast); empty -> exact zeros
 };
 
 // The kernel families (docs/kernels.md).

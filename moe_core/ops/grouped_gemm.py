@@ -5,8 +5,10 @@ Legend: T routed rows (expert-major), K reduction width, N output width, E exper
 Layers (as in tgale96/grouped_gemm): the C++/CUDA kernels in ``csrc/`` compute one product each;
 ``grouped_gemm`` checks its arguments and calls the custom op; autograd (C++, ``csrc/autograd.cpp``) reuses
 the same kernels, the forward one with the weight transposed for dgrad and ``grouped_gemm_wgrad`` for wgrad.
-Fake kernels make the ops traceable by ``torch.compile(fullgraph=True)``. ``grouped_gemm_wgrad`` has its
-own autograd (Python, below), so gradients of gradients (double backward) are exact.
+Under autocast with a float32 weight that requires grad, the Autocast kernel (``csrc/autocast.cpp``) computes
+the weight's gradient in float32 with ``grouped_gemm_wgrad_fp32``.
+Fake kernels make the ops traceable by ``torch.compile(fullgraph=True)``. The wgrad ops have their own autograd
+(Python, below), so gradients of gradients (double backward) are exact.
 """
 
 from __future__ import annotations
@@ -114,6 +116,11 @@ def _grouped_gemm_wgrad_fake(x, dy, tokens_per_expert, trans_weight):
     return x.new_empty(e, n, k) if trans_weight else x.new_empty(e, k, n)
 
 
+@torch.library.register_fake("moe_core::grouped_gemm_wgrad_fp32")
+def _grouped_gemm_wgrad_fp32_fake(x, dy, tokens_per_expert, trans_weight):
+    return _grouped_gemm_wgrad_fake(x, dy, tokens_per_expert, trans_weight).float()
+
+
 @torch.library.register_fake("moe_core::grouped_gemm_wgrad_accum_")
 def _grouped_gemm_wgrad_accum_fake(main_grad, x, dy, tokens_per_expert, trans_weight):
     return None
@@ -144,6 +151,15 @@ def _wgrad_backward(ctx, grad_dw):
 
 
 torch.library.register_autograd("moe_core::grouped_gemm_wgrad", _wgrad_backward, setup_context=_wgrad_setup_context)
+
+
+def _wgrad_fp32_backward(ctx, grad_dw):
+    """``_wgrad_backward`` with the float32 gradient brought to the operands' dtype."""
+    return _wgrad_backward(ctx, grad_dw.to(ctx.saved_tensors[0].dtype))
+
+
+torch.library.register_autograd("moe_core::grouped_gemm_wgrad_fp32", _wgrad_fp32_backward,
+                                setup_context=_wgrad_setup_context)
 
 
 class _GroupedGemmMainGrad(torch.autograd.Function):

@@ -145,19 +145,39 @@ def test_16_bit_types_take_the_static_descriptor_kernels_by_default(dtype, monke
         assert re.search(r"wgrad: E=1 m=1088 n=64 .* -> pointer-array ", err)
 
 
-@pytest.mark.parametrize("tile", [None, "rows"], ids=["default", "rows"])
-@pytest.mark.parametrize("n", [33, 40])
-@pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n, tile, monkeypatch):
-    # n = 40 (with k = 72) takes the sm_90a kernels for bf16/fp16 on Hopper, n = 33 the portable ones; on sm_90a
-    # the pointer-array kernel by default, the row-range kernel with MOE_CORE_GEMM_TILE=rows.
+def fp32_wgrad_cases(tiles: list):
+    """The cases of the wgrads with fp32 output: x [136, 72] and dy [136, n] of each dtype over counts with empty
+    experts, both weight layouts, n = 40 (the sm_90a kernels for bf16/fp16 on Hopper) and 33 (the portable ones),
+    each MOE_CORE_GEMM_TILE of ``tiles`` (None: the default schedule). The test gets ``wgrad_case``:
+    ``(counts, x, dy)``."""
+    tile_ids = [tile or "default" for tile in tiles]
+    marks = (pytest.mark.parametrize("tile", tiles, ids=tile_ids), pytest.mark.parametrize("n", [33, 40]),
+             pytest.mark.parametrize("trans_weight", [False, True], ids=["KN", "NK"]),
+             pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1]))
+
+    def decorate(test):
+        for mark in marks:
+            test = mark(test)
+        return test
+
+    return decorate
+
+
+@pytest.fixture
+def wgrad_case(dtype, n, tile, monkeypatch):
     if tile:
         monkeypatch.setenv("MOE_CORE_GEMM_TILE", tile)
     torch.manual_seed(2)
     counts = torch.tensor([5, 0, 130, 0, 1])
-    t, k = int(counts.sum()), 72
-    x, dy = torch.randn(t, k, device="cuda").to(dtype), torch.randn(t, n, device="cuda").to(dtype)
+    t = int(counts.sum())
+    return counts, torch.randn(t, 72, device="cuda").to(dtype), torch.randn(t, n, device="cuda").to(dtype)
+
+
+@fp32_wgrad_cases([None, "rows"])
+def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n, tile, wgrad_case):
+    # On sm_90a the pointer-array kernel by default, the row-range kernel with MOE_CORE_GEMM_TILE=rows.
+    counts, x, dy = wgrad_case
+    k = x.shape[1]
     shape = (5, n, k) if trans_weight else (5, k, n)
     start = torch.randn(shape, device="cuda")
     main_grad = start.clone()
@@ -166,6 +186,29 @@ def test_wgrad_accum_adds_into_main_grad(dtype, trans_weight, n, tile, monkeypat
     empty = (counts == 0).cuda()
     assert torch.equal(main_grad[empty], start[empty]), "empty experts must leave main_grad untouched"
     torch.testing.assert_close(main_grad.double(), start.double() + ref, rtol=1e-4, atol=1e-4 * k**0.5 * 4)
+
+
+@fp32_wgrad_cases([None, "128x128", "128x256"])
+def test_wgrad_fp32_writes_the_float32_product(dtype, trans_weight, n, tile, wgrad_case, monkeypatch, capfd):
+    # The float32 weight gradient of autocast (csrc/autocast.cpp): the product of the given operands in float32,
+    # exactly zero for empty experts, on NaN-poisoned memory; on sm_90a row ranges by default, the pointer-array
+    # tiles when forced.
+    monkeypatch.setenv("MOE_CORE_GEMM_DEBUG", "1")
+    counts, x, dy = wgrad_case
+    k = x.shape[1]
+    poison_allocator()
+    dw = torch.ops.moe_core.grouped_gemm_wgrad_fp32(x, dy, counts.cuda(), trans_weight)
+    torch.cuda.synchronize()
+    ref = grouped_gemm_wgrad_ref(x.double(), dy.double(), counts, trans_weight)
+    assert dw.dtype == torch.float32 and dw.shape == ref.shape
+    empty = (counts == 0).cuda()
+    assert torch.equal(dw[empty], torch.zeros_like(dw[empty])), "empty experts must get exact zeros"
+    torch.testing.assert_close(dw.double(), ref, rtol=1e-5, atol=1e-5 * k**0.5)
+    err = capfd.readouterr().err
+    sm90 = dtype != torch.float32 and n == 40 and torch.cuda.get_device_capability() == (9, 0)
+    if sm90 and "built without sm_90a" not in err:
+        family = "row-range" if tile is None else f"pointer-array {tile}x64"
+        assert re.search(rf"wgrad in fp32: E=5 .* -> {family}", err)
 
 
 def assert_accum_matches_and_leaves_empty_experts_alone(counts: torch.Tensor, t: int, k: int, n: int,
