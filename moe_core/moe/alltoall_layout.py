@@ -10,6 +10,9 @@ import math
 
 import torch
 
+from moe_core.moe.moe_utils import RowMap, build_row_map
+from moe_core.ops.triton_available import triton_available
+
 
 def chunk_transpose_index(counts_AB: torch.Tensor, num_rows: int) -> torch.Tensor:
     """The gather index that reorders rows held in chunks (a, b), a-major, into b-major chunk order.
@@ -72,4 +75,27 @@ def row_probs(routing_map: torch.Tensor, probs: torch.Tensor, token_of_row: torc
     return tail[token_of_row, dest_of_row]
 
 
-__all__ = ["chunk_transpose_index", "token_rows", "row_probs"]
+def received_row_map(values_NL: torch.Tensor, num_slots: int, num_rows: int
+                     ) -> tuple[RowMap, torch.Tensor, torch.Tensor]:
+    """The expert rows of received token rows from their tails: ``values_NL`` [N, L] float32, -inf where a row is
+    not routed to a local expert (``row_probs``).
+
+    Args:
+        num_slots: K, at least the most local experts any row has. num_rows: R, the routed entries (a host int).
+    Returns:
+        ``(row_map, value_index [R], tokens_per_expert [L])``: ``moe_utils.build_row_map``'s map of ``values_NL >
+        -inf`` (expert-major, row order inside an expert), the flat position ``n * L + e`` of each expert row's
+        value (its prob: ``values_NL.take(value_index)``), and the rows per local expert; int64 on values' device.
+        On CUDA three Triton kernels (``ops/triton/row_map.py``) build it, the same maps bit for bit.
+    """
+    if values_NL.is_cuda and triton_available():
+        from moe_core.ops.triton.row_map import received_row_map as triton_row_map
+
+        token_of_row, value_index, row_of_slot, tokens_per_expert = triton_row_map(values_NL, num_slots, num_rows)
+        return RowMap(token_of_row, row_of_slot), value_index, tokens_per_expert
+    routing_NL = values_NL > -math.inf
+    row_map, expert_of_row = build_row_map(routing_NL, num_slots, num_out_tokens=num_rows)
+    return row_map, row_map.token_of_row * routing_NL.shape[1] + expert_of_row, routing_NL.sum(dim=0)
+
+
+__all__ = ["chunk_transpose_index", "token_rows", "row_probs", "received_row_map"]

@@ -56,15 +56,13 @@ all-gather dispatcher's reduce-scatter does the same); the expert-row combine su
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.alltoall_layout import chunk_transpose_index, row_probs, token_rows
+from moe_core.moe.alltoall_layout import chunk_transpose_index, received_row_map, row_probs, token_rows
 from moe_core.moe.moe_utils import (
     RowMap,
-    build_row_map,
     check_num_slots,
     compute_dtype,
     permute,
@@ -178,13 +176,12 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
                            compute_dtype(hidden))
         received = all_to_all(packed, output_splits, input_splits, self.ep_group)  # [N, W]
 
-        routing_NL = packed_values(received, hidden_size, num_local) > -math.inf
-        received_map, expert_of_row = build_row_map(routing_NL, topk, num_out_tokens=num_expert_rows)
+        received_map, value_index, tokens_per_expert = received_row_map(
+            packed_values(received, hidden_size, num_local), topk, num_expert_rows)
         rows_RH, probs_NL = unpack_rows(received, received_map.token_of_row.unsqueeze(1), received_map.row_of_slot,
                                         hidden_size, num_local)
-        probs_R = probs_NL[received_map.token_of_row, expert_of_row]
         meta = AlltoAllDispatchMeta(sent_map, tuple(input_splits), tuple(output_splits), received_map=received_map)
-        return rows_RH, routing_NL.sum(dim=0), probs_R, meta
+        return rows_RH, tokens_per_expert, probs_NL.take(value_index), meta
 
     @torch.compiler.disable
     def _dispatch_expert_rows(self, hidden, probs, routing_map):

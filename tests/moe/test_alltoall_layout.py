@@ -1,12 +1,13 @@
 """The alltoall dispatcher's index maps: chunk_transpose_index against the split-and-concatenate of Megatron's
-sort_chunks_by_idxs written out here; token_rows against build_row_map; row_probs against loops."""
+sort_chunks_by_idxs written out here; token_rows against build_row_map; row_probs against loops;
+received_row_map against build_row_map (and its Triton kernels, on a GPU, bit for bit against the reference)."""
 
 import math
 
 import pytest
 import torch
 
-from moe_core.moe.alltoall_layout import chunk_transpose_index, row_probs, token_rows
+from moe_core.moe.alltoall_layout import chunk_transpose_index, received_row_map, row_probs, token_rows
 from moe_core.moe.moe_utils import build_row_map
 
 
@@ -66,3 +67,45 @@ def test_row_probs_against_loops():
         experts = range(r * num_local, (r + 1) * num_local)
         assert values[row].tolist() == [probs[t, e].item() if routing[t, e] else -math.inf for e in experts]
     assert values[0, 1].item() == 0.0
+
+
+def received_tails(num_rows: int, num_local: int, num_slots: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    """``[N, L]`` float32 tails inside a wider packed-like buffer (a row stride past L): each row routed to up to
+    ``num_slots`` random experts with random finite values (negative and zero ones included), -inf elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    picks = torch.rand(num_rows, num_local, generator=g).argsort(dim=1)[:, :num_slots]
+    keep = torch.rand(num_rows, num_slots, generator=g) < 0.8  # some rows use fewer slots, some none
+    routed = torch.zeros(num_rows, num_local, dtype=torch.bool).scatter_(1, picks, keep)
+    values = torch.where(routed, torch.randn(num_rows, num_local, generator=g), -math.inf)
+    values[routed & (torch.rand(num_rows, num_local, generator=g) < 0.1)] = 0.0
+    buffer = torch.full((num_rows, num_local + 5), float("nan"), device=device)
+    buffer[:, :num_local] = values.to(device)
+    return buffer[:, :num_local]
+
+
+@pytest.mark.parametrize("num_rows,num_local,num_slots", [(9, 4, 2), (300, 8, 8), (0, 4, 2)])
+def test_received_row_map_against_build_row_map(num_rows, num_local, num_slots):
+    values = received_tails(num_rows, num_local, num_slots, seed=num_rows)
+    routing = values > -math.inf
+    row_map, value_index, counts = received_row_map(values, num_slots, int(routing.sum()))
+    expected, expert_of_row = build_row_map(routing, num_slots)
+    assert torch.equal(row_map.token_of_row, expected.token_of_row)
+    assert torch.equal(row_map.row_of_slot, expected.row_of_slot)
+    assert torch.equal(values.take(value_index), values[expected.token_of_row, expert_of_row])
+    assert torch.equal(counts, routing.sum(dim=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_rows,num_local,num_slots", [
+    (1, 1, 1), (129, 4, 2), (5000, 64, 8), (4097, 96, 8), (3000, 160, 4), (0, 8, 2), (70000, 32, 8)])
+def test_received_row_map_kernels_match_the_reference(num_rows, num_local, num_slots):
+    # Row counts around the kernels' row blocks, expert counts not a power of two, many row blocks; the reference
+    # is the same function on the CPU.
+    values = received_tails(num_rows, num_local, num_slots, seed=num_rows + num_local, device="cuda")
+    num_routed = int((values > -math.inf).sum())
+    (got_map, *got), (want_map, *want) = (received_row_map(v, num_slots, num_routed) for v in (values, values.cpu()))
+    assert got_map.token_of_row.is_cuda
+    assert torch.equal(got_map.token_of_row.cpu(), want_map.token_of_row)
+    assert torch.equal(got_map.row_of_slot.cpu(), want_map.row_of_slot)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
