@@ -17,14 +17,20 @@ _TILE = 8192  # elements of a [rows, experts] tile
 
 
 @triton.jit
-def _block_counts_kernel(values_ptr, stride, counts_ptr, N, L, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr):
-    # counts[b, e]: rows of block b routed to expert e.
-    block = tl.program_id(0)
+def _routed_tile(values_ptr, stride, block, N, L, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr):
+    # (rows [BLOCK_N], cols [BLOCK_L], routed [BLOCK_N, BLOCK_L] int32) of row block `block`; 0 outside [N, L].
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_L)
     mask = (rows[:, None] < N) & (cols[None, :] < L)
     values = tl.load(values_ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=mask, other=-float("inf"))
-    routed = (values > -float("inf")).to(tl.int32)
+    return rows, cols, (values > -float("inf")).to(tl.int32)
+
+
+@triton.jit
+def _block_counts_kernel(values_ptr, stride, counts_ptr, N, L, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr):
+    # counts[b, e]: rows of block b routed to expert e.
+    block = tl.program_id(0)
+    rows, cols, routed = _routed_tile(values_ptr, stride, block, N, L, BLOCK_N, BLOCK_L)
     tl.store(counts_ptr + block * L + cols, tl.sum(routed, axis=0), mask=cols < L)
 
 
@@ -47,11 +53,7 @@ def _block_starts_kernel(counts_ptr, starts_ptr, tokens_per_expert_ptr, B, L, BL
 def _row_map_kernel(values_ptr, stride, starts_ptr, token_of_row_ptr, value_index_ptr, row_of_slot_ptr, N, L,
                     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr):
     block = tl.program_id(0)
-    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, BLOCK_L)
-    mask = (rows[:, None] < N) & (cols[None, :] < L)
-    values = tl.load(values_ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=mask, other=-float("inf"))
-    routed = (values > -float("inf")).to(tl.int32)
+    rows, cols, routed = _routed_tile(values_ptr, stride, block, N, L, BLOCK_N, BLOCK_L)
     start = tl.load(starts_ptr + block * L + cols, mask=cols < L, other=0)
     row = start[None, :] + (tl.cumsum(routed, axis=0) - routed)  # int64: the expert-major row of (n, e)
     slot = tl.cumsum(routed, axis=1) - routed  # how many of row n's experts come before e
