@@ -16,6 +16,7 @@ dispatch:  exchange the counts (per peer: rows for each of its L experts and the
            pack [T, H] -> [N_s, W] rank-major, token order; each row's tail holds its token's probs for that rank's
            L experts, -inf where not routed                (one gather)
            all_to_all                                       -> [N, W] source-major
+           the expert-major row map from the tails          (received_row_map: three kernels on CUDA)
            gather by local expert out of the packed rows    -> [R, H], probs [R]   (one gather)
 combine:   sum each received token's expert rows           -> [N, H]             (gather-sum)
            reverse all_to_all                               -> [N_s, H]
