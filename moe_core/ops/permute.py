@@ -69,20 +69,9 @@ def _unpermute_rows_backward(ctx, grad):
     return _PERMUTE_ROWS(grad, token_of_row, row_of_slot, ctx.src_dtype), None, None, None
 
 
-_permute_op = torch.library.custom_op("moe_core::permute_rows", _permute_rows, mutates_args=())
-_unpermute_op = torch.library.custom_op("moe_core::unpermute_rows", _unpermute_rows, mutates_args=())
-
-
-@_permute_op.register_fake
-def _(x, token_of_row, row_of_slot, out_dtype):
-    return x.new_empty(token_of_row.shape[0], x.shape[1], dtype=out_dtype)
-
-
-@_unpermute_op.register_fake
-def _(y, token_of_row, row_of_slot, out_dtype):
-    return y.new_empty(row_of_slot.shape[0], y.shape[1], dtype=out_dtype)
-
-
+# triton_op: the implementation is also the fake kernel, and compilation traces into it (ops/triton/__init__.py).
+_permute_op = torch.library.triton_op("moe_core::permute_rows", _permute_rows, mutates_args=())
+_unpermute_op = torch.library.triton_op("moe_core::unpermute_rows", _unpermute_rows, mutates_args=())
 _permute_op.register_autograd(_permute_rows_backward, setup_context=_save_maps)
 _unpermute_op.register_autograd(_unpermute_rows_backward, setup_context=_save_maps)
 _PERMUTE_ROWS = EagerOp(torch.ops.moe_core.permute_rows, _permute_rows, _save_maps, _permute_rows_backward)

@@ -37,21 +37,9 @@ def _swiglu_with_probs_backward(grad: torch.Tensor, fc1_out: torch.Tensor, probs
     return swiglu_with_probs_backward_ref(grad, fc1_out, probs)
 
 
-_swiglu_op = torch.library.custom_op("moe_core::swiglu_with_probs", _swiglu_with_probs, mutates_args=())
-_swiglu_backward_op = torch.library.custom_op("moe_core::swiglu_with_probs_backward", _swiglu_with_probs_backward,
-                                              mutates_args=())
-
-
-@_swiglu_op.register_fake
-def _(fc1_out, probs):
-    return fc1_out.new_empty(fc1_out.shape[0], fc1_out.shape[1] // 2)
-
-
-@_swiglu_backward_op.register_fake
-def _(grad, fc1_out, probs):
-    return torch.empty_like(fc1_out), torch.empty_like(probs)
-
-
+# triton_op: the implementation is also the fake kernel, and compilation traces into it (ops/triton/__init__.py).
+_swiglu_op = torch.library.triton_op("moe_core::swiglu_with_probs", _swiglu_with_probs, mutates_args=())
+torch.library.triton_op("moe_core::swiglu_with_probs_backward", _swiglu_with_probs_backward, mutates_args=())
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 

@@ -10,6 +10,9 @@ specialises strides that are multiples of 16, which keeps wide vector loads for 
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
+
+from moe_core.ops.triton import plain
 
 _BLOCK_H = 1024
 
@@ -58,8 +61,9 @@ def gather_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) 
     rows, h = index.shape[0], out.shape[1]
     if rows and h:
         block = _block(h)
-        _gather_rows_kernel[(rows, triton.cdiv(h, block))](src, index, out, h, src.stride(0), out.stride(0),
-                                                           BLOCK_H=block, num_warps=4)
+        kernel = _gather_rows_kernel if plain(src, out) else wrap_triton(_gather_rows_kernel)
+        kernel[(rows, triton.cdiv(h, block))](src, index, out, h, src.stride(0), out.stride(0), BLOCK_H=block,
+                                              num_warps=4)
     return out
 
 
@@ -72,6 +76,7 @@ def gather_sum_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tens
     h = out.shape[1]
     if tokens and h:
         block = _block(h)
-        _gather_sum_rows_kernel[(tokens, triton.cdiv(h, block))](src, index, out, h, src.stride(0), out.stride(0),
-                                                                 K=k, BLOCK_H=block, num_warps=4)
+        kernel = _gather_sum_rows_kernel if plain(src, out) else wrap_triton(_gather_sum_rows_kernel)
+        kernel[(tokens, triton.cdiv(h, block))](src, index, out, h, src.stride(0), out.stride(0), K=k, BLOCK_H=block,
+                                                num_warps=4)
     return out

@@ -8,6 +8,9 @@ Forward ``h = silu(g) * u * p``; backward, with ``s = sigmoid(g)``:
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
+
+from moe_core.ops.triton import plain
 
 _BLOCK_F = 1024
 
@@ -56,7 +59,8 @@ def swiglu_probs_fwd(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor
     out = torch.empty(rows, f, dtype=fc1_out.dtype, device=fc1_out.device)
     if rows and f:
         block = _block(f)
-        _swiglu_probs_fwd_kernel[(rows, triton.cdiv(f, block))](fc1_out, probs, out, f, BLOCK_F=block, num_warps=4)
+        kernel = _swiglu_probs_fwd_kernel if plain(fc1_out, out) else wrap_triton(_swiglu_probs_fwd_kernel)
+        kernel[(rows, triton.cdiv(f, block))](fc1_out, probs, out, f, BLOCK_F=block, num_warps=4)
     return out
 
 
@@ -68,7 +72,8 @@ def swiglu_probs_bwd(grad: torch.Tensor, fc1_out: torch.Tensor, probs: torch.Ten
     dprobs = torch.empty_like(probs)
     if rows:
         if f:
-            _swiglu_probs_bwd_kernel[(rows,)](grad, fc1_out, probs, dfc1, dprobs, f, BLOCK_F=_block(f), num_warps=4)
+            kernel = _swiglu_probs_bwd_kernel if plain(fc1_out, dfc1) else wrap_triton(_swiglu_probs_bwd_kernel)
+            kernel[(rows,)](grad, fc1_out, probs, dfc1, dprobs, f, BLOCK_F=_block(f), num_warps=4)
         else:
             dprobs.zero_()
     return dfc1, dprobs
