@@ -40,6 +40,8 @@ def _swiglu_with_probs_backward(grad: torch.Tensor, fc1_out: torch.Tensor, probs
 # triton_op: the implementation is also the fake kernel, and compilation traces into it (ops/triton/__init__.py).
 _swiglu_op = torch.library.triton_op("moe_core::swiglu_with_probs", _swiglu_with_probs, mutates_args=())
 torch.library.triton_op("moe_core::swiglu_with_probs_backward", _swiglu_with_probs_backward, mutates_args=())
+
+
 def _setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
