@@ -2,9 +2,12 @@
 // torchvision's ops) rather than from Python: a Python autograd kernel adds host time to every call, which
 // an all-empty call cannot afford (docs/kernels.md). dgrad is the forward op with the weight transposed, wgrad
 // grouped_gemm_wgrad (exact zeros for empty experts, never undefined); both go through the dispatcher, so the
-// backward also traces under torch.compile (fake kernels in moe_core/ops/grouped_gemm.py).
+// backward also traces under torch.compile (fake kernels in moe_core/ops/grouped_gemm.py). The same backward
+// serves autocast's float32-weight path (grouped_gemm_float32_weight), with grouped_gemm_wgrad_fp32 as its wgrad.
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include "grouped_gemm.h"
 
 namespace moe_core {
 namespace {
@@ -23,24 +26,51 @@ GemmOp find_op(const char* name) {
 const GemmOp& grouped_gemm_op() { static const GemmOp op = find_op("moe_core::grouped_gemm"); return op; }
 const GemmOp& grouped_gemm_wgrad_op() { static const GemmOp op = find_op("moe_core::grouped_gemm_wgrad"); return op; }
 
+// dx = grouped_gemm(dy, weight, !trans_weight) and dw = wgrad(x, dy) from the saved (x, weight, counts), each only
+// where needed.
+variable_list gemm_backward(AutogradContext* ctx, const variable_list& grads, const GemmOp& wgrad) {
+  const auto saved = ctx->get_saved_variables();
+  const bool trans_weight = ctx->saved_data["trans_weight"].toBool();
+  const auto dy = grads[0].contiguous();
+  at::Tensor dx, dw;
+  if (ctx->needs_input_grad(0)) dx = grouped_gemm_op().call(dy, saved[1], saved[2], !trans_weight);
+  if (ctx->needs_input_grad(1)) dw = wgrad.call(saved[0], dy, saved[2], trans_weight);
+  return {dx, dw, at::Tensor(), at::Tensor()};
+}
+
+// Saves (x, weight used, counts) and runs the op below autograd (else this kernel would call itself).
+at::Tensor gemm_forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                        const at::Tensor& tokens_per_expert, bool trans_weight) {
+  ctx->save_for_backward({x, weight, tokens_per_expert});
+  ctx->saved_data["trans_weight"] = trans_weight;
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return grouped_gemm_op().call(x, weight, tokens_per_expert, trans_weight);
+}
+
 class GroupedGemm : public torch::autograd::Function<GroupedGemm> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& tokens_per_expert, bool trans_weight) {
-    ctx->save_for_backward({x, weight, tokens_per_expert});
-    ctx->saved_data["trans_weight"] = trans_weight;
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;  // else this kernel would call itself
-    return grouped_gemm_op().call(x, weight, tokens_per_expert, trans_weight);
+    return gemm_forward(ctx, x, weight, tokens_per_expert, trans_weight);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const bool trans_weight = ctx->saved_data["trans_weight"].toBool();
-    const auto dy = grads[0].contiguous();
-    at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = grouped_gemm_op().call(dy, saved[1], saved[2], !trans_weight);
-    if (ctx->needs_input_grad(1)) dw = grouped_gemm_wgrad_op().call(saved[0], dy, saved[2], trans_weight);
-    return {dx, dw, at::Tensor(), at::Tensor()};
+    return gemm_backward(ctx, grads, grouped_gemm_wgrad_op());
+  }
+};
+
+// The float32 weight under autocast (csrc/autocast.cpp): the weight cast to x's 16-bit dtype inside the forward
+// (so autograd records no cast), dx in x's dtype, dweight in float32 from grouped_gemm_wgrad_fp32.
+class Float32WeightGemm : public torch::autograd::Function<Float32WeightGemm> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& tokens_per_expert, bool trans_weight) {
+    return gemm_forward(ctx, x, weight.to(x.scalar_type()), tokens_per_expert, trans_weight);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const GemmOp wgrad_fp32 = find_op("moe_core::grouped_gemm_wgrad_fp32");
+    return gemm_backward(ctx, grads, wgrad_fp32);
   }
 };
 
@@ -50,6 +80,11 @@ at::Tensor grouped_gemm_autograd(const at::Tensor& x, const at::Tensor& weight, 
 }
 
 }  // namespace
+
+at::Tensor grouped_gemm_float32_weight(const at::Tensor& x, const at::Tensor& weight,
+                                       const at::Tensor& tokens_per_expert, bool trans_weight) {
+  return Float32WeightGemm::apply(x, weight, tokens_per_expert, trans_weight);
+}
 
 TORCH_LIBRARY_IMPL(moe_core, Autograd, m) { m.impl("grouped_gemm", &grouped_gemm_autograd); }
 

@@ -21,4 +21,9 @@ void check_forward_inputs(const at::Tensor& x, const at::Tensor& weight, const a
 void check_wgrad_inputs(const at::Tensor& x, const at::Tensor& dy, const at::Tensor& tokens_per_expert);
 void check_wgrad_fp32_inputs(const at::Tensor& x);  // and check_wgrad_inputs
 
+// grouped_gemm of x (16-bit) and a float32 weight, differentiable: the weight is cast to x's dtype inside, and its
+// gradient comes back in float32 from grouped_gemm_wgrad_fp32 (csrc/autograd.cpp; autocast's path, csrc/autocast.cpp).
+at::Tensor grouped_gemm_float32_weight(const at::Tensor& x, const at::Tensor& weight,
+                                       const at::Tensor& tokens_per_expert, bool trans_weight);
+
 }  // namespace moe_core
