@@ -248,29 +248,31 @@ def _clip_and_step(state: TrainingState, step_loss: torch.Tensor) -> tuple[torch
     """Clip to ``max_norm`` and step AdamW unless the loss or the global gradient norm is non-finite;
     ``(grad_norm, skipped)``.
 
-    A fused AdamW over plain tensors takes both as inputs of its one kernel (the ``grad_scale`` / ``found_inf``
-    protocol of ``torch.amp.GradScaler``): it divides each gradient by ``grad_scale`` and leaves every parameter
-    and moment untouched where ``found_inf`` is set, so clipping costs no pass over the gradients and the step
-    is queued before the host reads the verdict. Otherwise the gradients are scaled in place and the step runs
-    only when finite.
+    One host read gets both verdicts, as Megatron's ``clip_grad_by_total_norm_fp32`` reads the norm: a
+    non-finite step skips the optimizer, and gradients already within ``max_norm`` reach AdamW untouched.
+    Gradients to clip are divided by ``1 / coef`` inside a fused AdamW's kernel when its parameters are plain
+    tensors (the ``grad_scale`` protocol of ``torch.amp.GradScaler``; the kernel then also writes each
+    unscaled gradient back, so only clipping steps pay that pass), else scaled in place before the step.
     """
     pg, optimizer = state.pg_collection, state.optimizer
     # One global norm over dense (DP mesh) and expert (expert-DP mesh) gradients, one all-reduce.
     grad_norm = get_grad_norm(state.dense_params, state.expert_params, pg)
-    finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm)
     coef = clip_coefficient(grad_norm, state.max_norm)
-    if _fused_plain(optimizer):
-        optimizer.grad_scale, optimizer.found_inf = coef.reciprocal(), (~finite).float()
+    finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm)
+    finite, clip = torch.stack([finite.float(), (coef < 1).float()]).tolist()
+    if not finite:
+        return grad_norm, True
+    if clip and _fused_plain(optimizer):
+        optimizer.grad_scale = coef.reciprocal()
         try:
             optimizer.step()
         finally:
-            del optimizer.grad_scale, optimizer.found_inf
-        return grad_norm, not bool(finite)
-    scale_grads_(state.dense_params + state.expert_params, coef)
-    skipped = not bool(finite)
-    if not skipped:
-        optimizer.step()
-    return grad_norm, skipped
+            del optimizer.grad_scale
+        return grad_norm, False
+    if clip:
+        scale_grads_(state.dense_params + state.expert_params, coef)
+    optimizer.step()
+    return grad_norm, False
 
 
 def _fused_plain(optimizer: torch.optim.Optimizer) -> bool:
