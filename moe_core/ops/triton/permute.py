@@ -15,17 +15,25 @@ from torch.library import wrap_triton
 from moe_core.ops.triton import plain
 
 _BLOCK_H = 1024
+# A gather_rows program copies 2048 elements: a column block of at most 512 from each of several rows, which
+# keeps more loads in flight than one wide row.
+_GATHER_BLOCK_H = 512
+_GATHER_ELEMENTS = 2048
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, H, src_stride, dst_stride, BLOCK_H: tl.constexpr):
-    # dst[r] = src[index[r]], or zeros where index[r] < 0; one program per (row, column block).
-    row = tl.program_id(0)
+def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, R, H, src_stride, dst_stride, ROWS: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    # dst[r] = src[index[r]], or zeros where index[r] < 0; one program per (ROWS rows, column block).
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    src_row = tl.load(index_ptr + row).to(tl.int64)
-    mask = cols < H
-    values = tl.load(src_ptr + src_row * src_stride + cols, mask=mask & (src_row >= 0), other=0.0)
-    tl.store(dst_ptr + row.to(tl.int64) * dst_stride + cols, values.to(dst_ptr.dtype.element_ty), mask=mask)
+    row_mask = rows < R
+    src_rows = tl.load(index_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+    col_mask = cols < H
+    values = tl.load(src_ptr + src_rows[:, None] * src_stride + cols[None, :],
+                     mask=(src_rows >= 0)[:, None] & col_mask[None, :], other=0.0)
+    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * dst_stride + cols[None, :],
+             values.to(dst_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -60,10 +68,11 @@ def gather_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) 
     _check_rows(src, out)
     rows, h = index.shape[0], out.shape[1]
     if rows and h:
-        block = _block(h)
+        block = min(_GATHER_BLOCK_H, _block(h))
+        per_program = _GATHER_ELEMENTS // block
         kernel = _gather_rows_kernel if plain(src, out) else wrap_triton(_gather_rows_kernel)
-        kernel[(rows, triton.cdiv(h, block))](src, index, out, h, src.stride(0), out.stride(0), BLOCK_H=block,
-                                              num_warps=4)
+        kernel[(triton.cdiv(rows, per_program), triton.cdiv(h, block))](
+            src, index, out, rows, h, src.stride(0), out.stride(0), ROWS=per_program, BLOCK_H=block, num_warps=4)
     return out
 
 
