@@ -122,13 +122,20 @@ Schedule pick_default(const Problem& p, int sm_count) {
   // or the larger operand comes from DRAM again for every column of tiles (docs/kernels.md).
   s.raster = (forward ? p.m > p.n * p.num_experts : p.m > p.n) ? Raster::kAlongN : Raster::kAlongM;
   // bf16/fp16 forward and dgrad: the row-tile kernel (static TMA descriptors instead of per-group ones) wherever
-  // it fits. bf16/fp16 wgrad (not the accumulating one): the row-range kernel, which walks each column of an
+  // it fits, unless one expert's 16-bit weight passes 64 MiB (Mixtral's fc1 and fc2) where the 2x1 cluster
+  // applies. With uneven counts the row-tile walk then re-reads an operand far larger than L2 for every row or
+  // column of tiles, where the 2x1 pointer-array kernel's swizzle-4 walk keeps neighbouring tiles on shared
+  // operand blocks (measured, docs/kernels.md); with even counts the row tiles stay a little ahead.
+  constexpr int64_t kLargeWeightBytes = int64_t{64} << 20;
+  const bool large_weight = forward && s.kernel == kPtrArray128x256c21 && p.k * p.n * 2 > kLargeWeightBytes;
+  if (large_weight) s.swizzle = 4;
+  // bf16/fp16 wgrad (not the accumulating one): the row-range kernel, which walks each column of an
   // expert's tiles down the rows of d[e], so the expert's rows of x (m wide) come from L2 for every column after
   // the first only while they fit there: take it while the mean expert's rows of x are at most 32 MiB (a bound by
   // that reasoning, not a measured crossover); past it the pointer-array kernel, whose walk can run along N,
   // keeps the case.
   constexpr int64_t kL2RowsBytes = int64_t{32} << 20;
-  const bool rows_pay = forward || p.num_rows / p.num_experts * p.m * 2 <= kL2RowsBytes;  // 16-bit rows
+  const bool rows_pay = forward ? !large_weight : p.num_rows / p.num_experts * p.m * 2 <= kL2RowsBytes;
   if (p.op != Op::kWgradAccum && built(p.dtype, p.op, rows_kernel(p.op)) && rows_fit(p) && rows_pay) {
     s.kernel = rows_kernel(p.op);
   }

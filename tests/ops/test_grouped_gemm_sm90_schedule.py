@@ -82,11 +82,26 @@ def pass_lines(spec: dict, dtype: str = "bf16") -> list[str]:
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_benchmark_shapes_keep_their_kernels(pick, dtype):
-    # Forward and dgrad on row tiles, wgrad on row ranges; the accumulating wgrad on the wide pointer-array tile,
-    # walking along N where dW[e] has more rows than columns (K > N).
+    # Forward and dgrad on row tiles, bf16 experts with a weight past 64 MiB (Mixtral) on the 2x1 pointer-array
+    # tile with swizzle 4; wgrad on row ranges; the accumulating wgrad on the wide pointer-array tile, walking
+    # along N where dW[e] has more rows than columns (K > N).
     for spec in bench.shapes(quick=False):
         along = ALONG_N if spec["k"] > spec["n"] else ALONG_M
-        assert pick(pass_lines(spec, dtype)) == [ROW_TILE, ROW_TILE, ROW_RANGE, WIDE + along], spec["name"]
+        large = dtype == "bf16" and spec["k"] * spec["n"] * 2 > 64 << 20
+        forward = WIDE_2X1 + ", raster along M, swizzle 4" if large else ROW_TILE
+        assert pick(pass_lines(spec, dtype)) == [forward, forward, ROW_RANGE, WIDE + along], spec["name"]
+    assert any(spec["k"] * spec["n"] * 2 > 64 << 20 for spec in bench.shapes(quick=False))
+
+
+@pytest.mark.parametrize("line,expected", [
+    ("bf16 fwd_kn 8 16384 16384 28672 4096 132", WIDE_2X1 + ", raster along M, swizzle 4"),
+    ("bf16 fwd_nk 8 16384 16384 4096 28672 132", WIDE_2X1 + ", raster along M, swizzle 4"),
+    ("bf16 fwd_kn 8 16384 16384 8192 4096 132", ROW_TILE),  # exactly 64 MiB
+    ("fp16 fwd_kn 8 16384 16384 28672 4096 132", ROW_TILE),  # fp16 has no 2x1 cluster
+    ("bf16 fwd_kn 8 2048 2048 28672 4096 132", ROW_TILE),  # 256 rows per expert: the 2x1 cluster would pad
+])
+def test_forward_experts_past_64_mib_take_the_swizzled_pointer_array_kernel(pick, line, expected):
+    assert pick([line]) == [expected]
 
 
 @pytest.mark.parametrize("line,expected", [
