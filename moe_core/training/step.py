@@ -264,14 +264,12 @@ def _clip_and_step(state: TrainingState, step_loss: torch.Tensor) -> tuple[torch
         return grad_norm, True
     if clip and _fused_plain(optimizer):
         optimizer.grad_scale = coef.reciprocal()
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale
-        return grad_norm, False
-    if clip:
+    elif clip:
         scale_grads_(state.dense_params + state.expert_params, coef)
-    optimizer.step()
+    try:
+        optimizer.step()
+    finally:
+        vars(optimizer).pop("grad_scale", None)
     return grad_norm, False
 
 
