@@ -25,6 +25,7 @@ from moe_core.moe.load_balancing import (
     switch_load_balancing_loss,
     z_loss,
 )
+from moe_core.ops.router_gating import router_gating_linear
 from moe_core.parallel.tp_weights import tp_full
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, None: None}
@@ -57,10 +58,6 @@ def topk_indices(scores_TE: torch.Tensor, topk: int, num_groups: int | None = No
     group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter(1, group_idx, True)
     expert_mask_TE = group_mask_TG.unsqueeze(-1).expand_as(scores_TGX).reshape(num_tokens, -1)
     return scores_TE.masked_fill(~expert_mask_TE, float("-inf")).topk(topk, dim=-1).indices
-
-
-def _autocast_on(tensor: torch.Tensor) -> bool:
-    return torch.is_autocast_enabled(tensor.device.type)
 
 
 class TopKRouter(nn.Module):
@@ -217,9 +214,11 @@ class TopKRouter(nn.Module):
         eps = self.config.moe_input_jitter_eps
         if self.training and eps:
             hidden_TH = hidden_TH * torch.empty_like(hidden_TH).uniform_(1.0 - eps, 1.0 + eps)
-        dtype = self.router_dtype or hidden_TH.dtype
-        with torch.autocast(hidden_TH.device.type, enabled=self.router_dtype is None and _autocast_on(hidden_TH)):
-            logits_TE = hidden_TH.to(dtype) @ tp_full(self.weight).to(dtype).t()
+        weight_EH = tp_full(self.weight)
+        if self.router_dtype is None:
+            logits_TE = hidden_TH @ weight_EH.to(hidden_TH.dtype).t()
+        else:
+            logits_TE = router_gating_linear(hidden_TH, weight_EH, self.router_dtype)
         # Scores, top-k and losses never run in bf16, whatever the GEMM ran in (Megatron: fp32 scores).
         return logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
 

@@ -1,0 +1,67 @@
+"""router_gating_linear: the router's logits GEMM in float32 / float64 whatever autocast does, with the same
+values and gradients as the tensor expression, saving a 16-bit x as it is (no float32 copy held for backward),
+eager and compiled.
+
+Legend: T tokens, H hidden, E experts.
+"""
+
+import pytest
+import torch
+
+from moe_core.ops.router_gating import router_gating_linear
+
+
+def expression(x_TH, weight_EH, dtype):
+    """The unfused definition the op replaces."""
+    return x_TH.to(dtype) @ weight_EH.to(dtype).t()
+
+
+@pytest.mark.parametrize("x_dtype,dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.float64)])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "bf16_autocast"])
+def test_values_and_gradients_equal_the_expression_bitwise(x_dtype, dtype, autocast):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 24, generator=gen).to(x_dtype).requires_grad_()
+    weight = torch.randn(8, 24, generator=gen).requires_grad_()
+    grad = torch.randn(37, 8, generator=gen, dtype=dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = router_gating_linear(x, weight, dtype)
+        got = torch.autograd.grad(out, (x, weight), grad)
+    want_out = expression(x, weight, dtype)  # no autocast: the dtype the router asks for
+    want = torch.autograd.grad(want_out, (x, weight), grad)
+    assert out.dtype == dtype and torch.equal(out, want_out)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+
+
+def _saved(fn, *args):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t,
+                                                  lambda t: t):
+        fn(*args)
+    return saved
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_16_bit_x_is_saved_as_it_is(compiled):
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(8, 32, requires_grad=True)
+    op = torch.compile(router_gating_linear, fullgraph=True) if compiled else router_gating_linear
+    saved = _saved(op, x, weight, torch.float32)
+    assert ((64, 32), torch.bfloat16) in saved and ((64, 32), torch.float32) not in saved
+    # Negative control: the tensor expression holds the float32 copy of x for the weight's gradient.
+    assert ((64, 32), torch.float32) in _saved(expression, x, weight, torch.float32)
+
+
+def test_opcheck():
+    x = torch.randn(5, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(4, 16, requires_grad=True)
+    torch.library.opcheck(torch.ops.moe_core.router_gating_linear, (x, weight, torch.float32))
+
+
+def test_bad_arguments_raise():
+    x, weight = torch.randn(5, 16), torch.randn(4, 16)
+    with pytest.raises(TypeError, match="dtype"):
+        router_gating_linear(x, weight, torch.bfloat16)
+    with pytest.raises(ValueError, match="x_TH / weight_EH"):
+        router_gating_linear(x, torch.randn(4, 15), torch.float32)
