@@ -258,8 +258,8 @@ def _clip_and_step(state: TrainingState, step_loss: torch.Tensor) -> tuple[torch
     # One global norm over dense (DP mesh) and expert (expert-DP mesh) gradients, one all-reduce.
     grad_norm = get_grad_norm(state.dense_params, state.expert_params, pg)
     coef = clip_coefficient(grad_norm, state.max_norm)
-    finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm)
-    finite, clip = torch.stack([finite.float(), (coef < 1).float()]).tolist()
+    all_finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm)
+    finite, clip = torch.stack([all_finite.float(), (coef < 1).float()]).tolist()  # the step's one host read
     if not finite:
         return grad_norm, True
     if clip and _fused_plain(optimizer):
