@@ -1,14 +1,15 @@
-"""Permute and unpermute as row gathers: ``torch.ops.moe_core.permute_rows`` / ``unpermute_rows``.
+"""Permute and unpermute as row copies: ``torch.ops.moe_core.permute_rows`` / ``unpermute_rows``.
 
 Legend: T tokens, K slots per token (top-k), R routed rows, H hidden.
 
 Two index maps describe a routing (built by ``moe_core.moe.moe_utils.build_row_map``): ``token_of_row [R]``,
 the token each routed row copies (-1: a padding row of zeros), and ``row_of_slot [T, K]``, the row holding
-each of a token's K slots (-1: an empty slot). Permute gathers ``x[token_of_row]``; unpermute gathers each
-token's K rows and sums them in slot order. Each is the other's backward, so neither direction scatters or
-uses atomics: results are deterministic. On CUDA the gathers are Triton kernels (``ops/triton/permute.py``);
-elsewhere the PyTorch references of ``ops/reference.py``. ``ops/pack.py`` has the same gathers into and out of
-rows that carry extra float32 values.
+each of a token's K slots (-1: an empty slot). Permute writes ``x[token_of_row]``; unpermute gathers each
+token's K rows and sums them in slot order. Each is the other's backward. Permute's rows are copies, one writer
+each, so on CUDA it scatters every token row to its slots (reading the source once) and zeros the padding rows;
+unpermute gathers, with no atomics: results are deterministic. On CUDA these are Triton kernels
+(``ops/triton/permute.py``); elsewhere the PyTorch references of ``ops/reference.py``. ``ops/pack.py`` has the
+same gathers into and out of rows that carry extra float32 values.
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ def gather_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) 
     return out.copy_(gather_rows_ref(src, index, out.dtype))
 
 
+def scatter_rows_into(src: torch.Tensor, slot_index: torch.Tensor, row_index: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+    """``gather_rows_into(src, row_index, out)`` for inverse maps: ``slot_index`` [T, K] int64 lists, for each
+    row t of ``src``, the rows of ``out`` that copy it (-1: none), every row of ``out`` either listed once, by
+    the slot of its token ``row_index[r]``, or padding (``row_index[r] < 0``, zeros). On CUDA each source row is
+    read once. Returns ``out``."""
+    if src.is_cuda and triton_available():
+        from moe_core.ops.triton.permute import scatter_rows_into as triton_scatter
+
+        return triton_scatter(src if src.stride(1) == 1 else src.contiguous(), slot_index.contiguous(),
+                              row_index.contiguous(), out)
+    return out.copy_(gather_rows_ref(src, row_index, out.dtype))
+
+
 def gather_sum_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write the sum of ``src[index[t, k]]`` over the slots with ``index >= 0``, in slot order, in float32 (float64
     for float64 sources), into row t of ``out``, cast to out's dtype; returns ``out``. ``src`` [R, H] and ``out``
@@ -44,7 +59,7 @@ def gather_sum_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tens
 def _permute_rows(x: torch.Tensor, token_of_row: torch.Tensor, row_of_slot: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
     out = x.new_empty(token_of_row.shape[0], x.shape[1], dtype=out_dtype)
-    return gather_rows_into(x, token_of_row, out)
+    return scatter_rows_into(x, row_of_slot, token_of_row, out)
 
 
 def _unpermute_rows(y: torch.Tensor, token_of_row: torch.Tensor, row_of_slot: torch.Tensor,
@@ -85,7 +100,8 @@ def permute_rows(x_TH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot_T
 
     Args:
         x_TH: ``[T, H]`` float. token_of_row_R: ``[R]`` int64. row_of_slot_TK: ``[T, K]`` int64, the
-        inverse map (used by the backward).
+        inverse map: every row r with ``token_of_row_R[r] = t >= 0`` in exactly one slot of row t, no other
+        row listed (``moe_utils.build_row_map``'s maps). The forward on CUDA and both backwards rely on it.
     """
     return _PERMUTE_ROWS(x_TH, token_of_row_R, row_of_slot_TK, out_dtype or x_TH.dtype)
 
@@ -98,4 +114,4 @@ def unpermute_rows(y_RH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot
     return _UNPERMUTE_ROWS(y_RH, token_of_row_R, row_of_slot_TK, out_dtype or y_RH.dtype)
 
 
-__all__ = ["permute_rows", "unpermute_rows", "gather_rows_into", "gather_sum_rows_into"]
+__all__ = ["permute_rows", "unpermute_rows", "gather_rows_into", "scatter_rows_into", "gather_sum_rows_into"]

@@ -78,22 +78,57 @@ def test_opcheck(op):
     torch.library.opcheck(getattr(torch.ops.moe_core, op), (src, token_of_row, row_of_slot, torch.float32))
 
 
+def with_padding(token_of_row: torch.Tensor, row_of_slot: torch.Tensor, step: int):
+    """The same maps with a padding row (token -1) before row 0 and after every ``step`` routed rows."""
+    num_rows = token_of_row.shape[0]
+    new_row = torch.arange(num_rows, device=token_of_row.device)
+    new_row += new_row // step + 1
+    padded = torch.full((num_rows + (num_rows - 1) // step + 2 if num_rows else 1,), -1, dtype=torch.int64,
+                        device=token_of_row.device)
+    padded[new_row] = token_of_row
+    return padded, torch.where(row_of_slot >= 0, new_row[row_of_slot.clamp_min(0)], -1)
+
+
+def test_with_padding_keeps_the_maps_inverse():
+    token_of_row, row_of_slot = with_padding(*random_maps(30, 4, 8, seed=5), step=6)
+    assert (token_of_row[0] == -1) and int((token_of_row < 0).sum()) > 1
+    listed = row_of_slot[row_of_slot >= 0]
+    assert torch.equal(listed.sort().values, (token_of_row >= 0).nonzero().squeeze(1))
+    for t, rows in enumerate(row_of_slot.tolist()):
+        assert all(token_of_row[r] == t for r in rows if r >= 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
 @pytest.mark.parametrize("src_dtype,out_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                  (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("hidden", [1, 40, 2048, 7168])
 def test_triton_kernels_equal_references_bitwise(src_dtype, out_dtype, hidden):
-    from moe_core.ops.triton.permute import gather_rows_into, gather_sum_rows_into
+    from moe_core.ops.triton.permute import gather_rows_into, gather_sum_rows_into, scatter_rows_into
 
-    token_of_row, row_of_slot = random_maps(300, 8, 64, seed=hidden, device="cuda")
-    token_of_row[::7] = -1  # padding rows
+    token_of_row, row_of_slot = with_padding(*random_maps(300, 8, 64, seed=hidden, device="cuda"), step=7)
     x = torch.randn(300, hidden, device="cuda").to(src_dtype)
     y = torch.randn(token_of_row.shape[0], hidden, device="cuda").to(src_dtype)
     # Poison the allocator's free blocks so an unwritten element shows as NaN.
     torch.full((300 * hidden * 8,), float("nan"), device="cuda")
-    permuted = gather_rows_into(x, token_of_row, x.new_empty(token_of_row.shape[0], hidden, dtype=out_dtype))
+    gathered = gather_rows_into(x, token_of_row, x.new_empty(token_of_row.shape[0], hidden, dtype=out_dtype))
+    scattered = scatter_rows_into(x, row_of_slot, token_of_row,
+                                  x.new_empty(token_of_row.shape[0], hidden, dtype=out_dtype))
     summed = gather_sum_rows_into(y, row_of_slot, y.new_empty(300, hidden, dtype=out_dtype))
-    assert torch.equal(permuted, gather_rows_ref(x, token_of_row, out_dtype))
+    assert torch.equal(gathered, gather_rows_ref(x, token_of_row, out_dtype))
+    assert torch.equal(scattered, gather_rows_ref(x, token_of_row, out_dtype))
     assert torch.equal(summed, gather_sum_rows_ref(y, row_of_slot, out_dtype))
-    assert not permuted.isnan().any() and not summed.isnan().any()
+    assert not gathered.isnan().any() and not scattered.isnan().any() and not summed.isnan().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
+@pytest.mark.parametrize("num_tokens", [0, 5])
+def test_scatter_writes_rows_that_are_all_padding(num_tokens):
+    from moe_core.ops.triton.permute import scatter_rows_into
+
+    row_of_slot = torch.full((num_tokens, 2), -1, dtype=torch.int64, device="cuda")
+    token_of_row = torch.full((37,), -1, dtype=torch.int64, device="cuda")
+    out = torch.full((37, 600), float("nan"), device="cuda")
+    scatter_rows_into(torch.randn(num_tokens, 600, device="cuda"), row_of_slot, token_of_row, out)
+    assert torch.equal(out, torch.zeros_like(out))

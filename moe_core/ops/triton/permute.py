@@ -1,4 +1,4 @@
-"""Row gather kernels of permute/unpermute: no atomics, so both directions are deterministic.
+"""Row kernels of permute/unpermute: no atomics, so both directions are deterministic.
 
 Legend: T tokens, K slots per token (top-k), R routed rows, H hidden (the columns copied).
 
@@ -16,9 +16,11 @@ from moe_core.ops.triton import plain
 
 _BLOCK_H = 1024
 # A gather_rows program copies 2048 elements: a column block of at most 512 from each of several rows, which
-# keeps more loads in flight than one wide row.
+# keeps more loads in flight than one wide row. A scatter program reads as many elements.
 _GATHER_BLOCK_H = 512
 _GATHER_ELEMENTS = 2048
+# Rows a scatter_rows program checks for padding.
+_ZERO_ROWS = 16
 
 
 @triton.jit
@@ -34,6 +36,36 @@ def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, R, H, src_stride, dst_strid
                      mask=(src_rows >= 0)[:, None] & col_mask[None, :], other=0.0)
     tl.store(dst_ptr + rows.to(tl.int64)[:, None] * dst_stride + cols[None, :],
              values.to(dst_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _scatter_rows_kernel(src_ptr, slot_ptr, token_ptr, dst_ptr, T, R, H, src_stride, dst_stride, scatter_programs,
+                         K: tl.constexpr, COL_BLOCKS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+                         ZERO_ROWS: tl.constexpr):
+    # Programs below scatter_programs: dst[slot[t, k]] = src[t] for the slots >= 0, each source row read once
+    # (a gather walks the source once per expert). The others: zeros into the padding rows (token < 0), which
+    # no slot lists.
+    pid = tl.program_id(0)
+    if pid < scatter_programs:
+        tokens = (pid // COL_BLOCKS) * ROWS + tl.arange(0, ROWS)
+        cols = (pid % COL_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+        token_mask = tokens < T
+        col_mask = cols < H
+        t64 = tokens.to(tl.int64)
+        values = tl.load(src_ptr + t64[:, None] * src_stride + cols[None, :],
+                         mask=token_mask[:, None] & col_mask[None, :], other=0.0).to(dst_ptr.dtype.element_ty)
+        for k in tl.static_range(K):
+            rows = tl.load(slot_ptr + t64 * K + k, mask=token_mask, other=-1).to(tl.int64)
+            tl.store(dst_ptr + rows[:, None] * dst_stride + cols[None, :], values,
+                     mask=(rows >= 0)[:, None] & col_mask[None, :])
+    else:
+        pad_rows = (pid - scatter_programs) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
+        padding = tl.load(token_ptr + pad_rows, mask=pad_rows < R, other=0) < 0
+        zeros = tl.zeros((ZERO_ROWS, BLOCK_H), dtype=dst_ptr.dtype.element_ty)
+        for start in range(0, H, BLOCK_H):
+            pad_cols = start + tl.arange(0, BLOCK_H)
+            tl.store(dst_ptr + pad_rows.to(tl.int64)[:, None] * dst_stride + pad_cols[None, :], zeros,
+                     mask=padding[:, None] & (pad_cols < H)[None, :])
 
 
 @triton.jit
@@ -73,6 +105,28 @@ def gather_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) 
         kernel = _gather_rows_kernel if plain(src, out) else wrap_triton(_gather_rows_kernel)
         kernel[(triton.cdiv(rows, per_program), triton.cdiv(h, block))](
             src, index, out, rows, h, src.stride(0), out.stride(0), ROWS=per_program, BLOCK_H=block, num_warps=4)
+    return out
+
+
+def scatter_rows_into(src: torch.Tensor, slot_index: torch.Tensor, row_index: torch.Tensor,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Write ``src[t]`` into the rows ``slot_index[t, k] >= 0`` of ``out`` [R, H] and zeros into the rows with
+    ``row_index[r] < 0``, cast to out's dtype: ``gather_rows_into(src, row_index, out)`` for inverse maps (every
+    row of out padding or listed by exactly one slot, of its token ``row_index[r]``), reading each source row once.
+
+    ``src`` [T, H] and ``out`` as in ``gather_rows_into``; ``slot_index`` [T, K] and ``row_index`` [R] int64
+    contiguous. Returns ``out``."""
+    _check_rows(src, out)
+    tokens, k = slot_index.shape
+    rows, h = row_index.shape[0], out.shape[1]
+    if rows and h:
+        block = min(_GATHER_BLOCK_H, _block(h))
+        per_program, col_blocks = _GATHER_ELEMENTS // block, triton.cdiv(h, block)
+        scatter_programs = triton.cdiv(tokens, per_program) * col_blocks
+        kernel = _scatter_rows_kernel if plain(src, out) else wrap_triton(_scatter_rows_kernel)
+        kernel[(scatter_programs + triton.cdiv(rows, _ZERO_ROWS),)](
+            src, slot_index, row_index, out, tokens, rows, h, src.stride(0), out.stride(0), scatter_programs, K=k,
+            COL_BLOCKS=col_blocks, ROWS=per_program, BLOCK_H=block, ZERO_ROWS=_ZERO_ROWS, num_warps=4)
     return out
 
 
