@@ -12,9 +12,10 @@ Both ops gather rows through an index table ``[rows, K]``: row i is the float32 
 ``index[i, k] >= 0`` in slot order (one slot: a copy, zeros for -1). ``pack_rows`` gathers plain rows into packed
 ones, writing the values into the tails; ``unpack_rows`` gathers the H values out of packed rows and returns the
 tails. Each is the other's backward with the index and its ``inverse`` swapped (``inverse`` lists for every
-source row the output rows that read it), so neither direction scatters or uses atomics: deterministic. In backward
-a tail carries the values' gradient: bits in transit, not a differentiable number. The gathers are
-``ops/permute.py``'s (Triton on CUDA).
+source row the output rows that read it). A one-slot index is a copy, which ``ops/permute.py``'s
+``scatter_rows_into`` does from the inverse, reading each source row once (Triton on CUDA); sums gather. No
+atomics: deterministic. In backward a tail carries the values' gradient: bits in transit, not a differentiable
+number.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from moe_core.ops.eager import EagerOp
-from moe_core.ops.permute import gather_rows_into, gather_sum_rows_into
+from moe_core.ops.permute import gather_sum_rows_into, scatter_rows_into
 
 _ALIGN = 16  # columns
 
@@ -46,9 +47,9 @@ def _tail(packed: torch.Tensor, hidden_size: int, num_values: int) -> torch.Tens
     return packed[:, _roundup(hidden_size):].view(torch.float32)[:, :num_values]
 
 
-def _gather_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+def _gather_into(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> None:
     if index.shape[1] == 1:
-        gather_rows_into(src, index[:, 0], out)
+        scatter_rows_into(src, inverse, index[:, 0], out)
     else:
         gather_sum_rows_into(src, index, out)
 
@@ -57,7 +58,7 @@ def _pack_rows(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, inver
                out_dtype: torch.dtype) -> torch.Tensor:
     hidden_size, num_values = x.shape[1], values.shape[1]
     packed = x.new_empty(index.shape[0], packed_width(hidden_size, num_values, out_dtype), dtype=out_dtype)
-    _gather_into(x, index, packed[:, :hidden_size])
+    _gather_into(x, index, inverse, packed[:, :hidden_size])
     packed[:, hidden_size:].zero_()
     _tail(packed, hidden_size, num_values).copy_(values)
     return packed
@@ -66,7 +67,7 @@ def _pack_rows(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, inver
 def _unpack_rows(packed: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, hidden_size: int,
                  num_values: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     out = packed.new_empty(index.shape[0], hidden_size, dtype=out_dtype)
-    _gather_into(packed[:, :hidden_size], index, out)
+    _gather_into(packed[:, :hidden_size], index, inverse, out)
     return out, _tail(packed, hidden_size, num_values).clone()
 
 

@@ -21,22 +21,13 @@ from moe_core.ops.reference import gather_rows_ref, gather_sum_rows_ref
 from moe_core.ops.triton_available import triton_available
 
 
-def gather_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write ``src[index[r]]`` (zeros where ``index[r] < 0``) into row r of ``out``, cast to out's dtype; returns
-    ``out``. ``src`` [N, H] and ``out`` [R, H] may be column slices of wider rows; ``index`` [R] int64."""
-    if src.is_cuda and triton_available():
-        from moe_core.ops.triton.permute import gather_rows_into as triton_gather
-
-        return triton_gather(src if src.stride(1) == 1 else src.contiguous(), index.contiguous(), out)
-    return out.copy_(gather_rows_ref(src, index, out.dtype))
-
-
 def scatter_rows_into(src: torch.Tensor, slot_index: torch.Tensor, row_index: torch.Tensor,
                       out: torch.Tensor) -> torch.Tensor:
-    """``gather_rows_into(src, row_index, out)`` for inverse maps: ``slot_index`` [T, K] int64 lists, for each
-    row t of ``src``, the rows of ``out`` that copy it (-1: none), every row of ``out`` either listed once, by
-    the slot of its token ``row_index[r]``, or padding (``row_index[r] < 0``, zeros). On CUDA each source row is
-    read once. Returns ``out``."""
+    """Write ``src[row_index[r]]`` (zeros where ``row_index[r] < 0``) into row r of ``out``, cast to out's dtype;
+    returns ``out``. ``slot_index`` [T, K] int64 is the inverse map: for each row t of ``src``, the rows of ``out``
+    that copy it (-1: none), every row of ``out`` either listed once, by a slot of its ``row_index[r]``, or padding.
+    On CUDA each source row is read once and written to its rows. ``src`` [T, H] and ``out`` [R, H] may be column
+    slices of wider rows; ``row_index`` [R] int64."""
     if src.is_cuda and triton_available():
         from moe_core.ops.triton.permute import scatter_rows_into as triton_scatter
 
@@ -48,7 +39,7 @@ def scatter_rows_into(src: torch.Tensor, slot_index: torch.Tensor, row_index: to
 def gather_sum_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write the sum of ``src[index[t, k]]`` over the slots with ``index >= 0``, in slot order, in float32 (float64
     for float64 sources), into row t of ``out``, cast to out's dtype; returns ``out``. ``src`` [R, H] and ``out``
-    [T, H] as in ``gather_rows_into``; ``index`` [T, K] int64."""
+    [T, H] as in ``scatter_rows_into``; ``index`` [T, K] int64."""
     if src.is_cuda and triton_available():
         from moe_core.ops.triton.permute import gather_sum_rows_into as triton_gather_sum
 
@@ -114,4 +105,4 @@ def unpermute_rows(y_RH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot
     return _UNPERMUTE_ROWS(y_RH, token_of_row_R, row_of_slot_TK, out_dtype or y_RH.dtype)
 
 
-__all__ = ["permute_rows", "unpermute_rows", "gather_rows_into", "scatter_rows_into", "gather_sum_rows_into"]
+__all__ = ["permute_rows", "unpermute_rows", "scatter_rows_into", "gather_sum_rows_into"]

@@ -104,21 +104,19 @@ def test_with_padding_keeps_the_maps_inverse():
                                                  (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("hidden", [1, 40, 2048, 7168])
 def test_triton_kernels_equal_references_bitwise(src_dtype, out_dtype, hidden):
-    from moe_core.ops.triton.permute import gather_rows_into, gather_sum_rows_into, scatter_rows_into
+    from moe_core.ops.triton.permute import gather_sum_rows_into, scatter_rows_into
 
     token_of_row, row_of_slot = with_padding(*random_maps(300, 8, 64, seed=hidden, device="cuda"), step=7)
     x = torch.randn(300, hidden, device="cuda").to(src_dtype)
     y = torch.randn(token_of_row.shape[0], hidden, device="cuda").to(src_dtype)
     # Poison the allocator's free blocks so an unwritten element shows as NaN.
     torch.full((300 * hidden * 8,), float("nan"), device="cuda")
-    gathered = gather_rows_into(x, token_of_row, x.new_empty(token_of_row.shape[0], hidden, dtype=out_dtype))
     scattered = scatter_rows_into(x, row_of_slot, token_of_row,
                                   x.new_empty(token_of_row.shape[0], hidden, dtype=out_dtype))
     summed = gather_sum_rows_into(y, row_of_slot, y.new_empty(300, hidden, dtype=out_dtype))
-    assert torch.equal(gathered, gather_rows_ref(x, token_of_row, out_dtype))
     assert torch.equal(scattered, gather_rows_ref(x, token_of_row, out_dtype))
     assert torch.equal(summed, gather_sum_rows_ref(y, row_of_slot, out_dtype))
-    assert not gathered.isnan().any() and not scattered.isnan().any() and not summed.isnan().any()
+    assert not scattered.isnan().any() and not summed.isnan().any()
 
 
 @pytest.mark.gpu

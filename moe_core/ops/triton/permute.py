@@ -15,27 +15,12 @@ from torch.library import wrap_triton
 from moe_core.ops.triton import plain
 
 _BLOCK_H = 1024
-# A gather_rows program copies 2048 elements: a column block of at most 512 from each of several rows, which
-# keeps more loads in flight than one wide row. A scatter program reads as many elements.
-_GATHER_BLOCK_H = 512
-_GATHER_ELEMENTS = 2048
+# A scatter_rows program copies 2048 elements: a column block of at most 512 from each of several rows, which
+# keeps more loads in flight than one wide row.
+_SCATTER_BLOCK_H = 512
+_SCATTER_ELEMENTS = 2048
 # Rows a scatter_rows program checks for padding.
 _ZERO_ROWS = 16
-
-
-@triton.jit
-def _gather_rows_kernel(src_ptr, index_ptr, dst_ptr, R, H, src_stride, dst_stride, ROWS: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-    # dst[r] = src[index[r]], or zeros where index[r] < 0; one program per (ROWS rows, column block).
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    row_mask = rows < R
-    src_rows = tl.load(index_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
-    col_mask = cols < H
-    values = tl.load(src_ptr + src_rows[:, None] * src_stride + cols[None, :],
-                     mask=(src_rows >= 0)[:, None] & col_mask[None, :], other=0.0)
-    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * dst_stride + cols[None, :],
-             values.to(dst_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -92,36 +77,20 @@ def _check_rows(src: torch.Tensor, out: torch.Tensor) -> None:
                          f"(strides {src.stride()}) and {tuple(out.shape)} (strides {out.stride()})")
 
 
-def gather_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Write ``src[index[r]]`` (zeros where ``index[r] < 0``) into row r of ``out`` [R, H], cast to out's dtype.
-
-    ``src`` [N, H] and ``out`` [R, H] may be column slices of wider buffers (any row stride, contiguous
-    columns); ``index`` [R] int64 contiguous. Returns ``out``."""
-    _check_rows(src, out)
-    rows, h = index.shape[0], out.shape[1]
-    if rows and h:
-        block = min(_GATHER_BLOCK_H, _block(h))
-        per_program = _GATHER_ELEMENTS // block
-        kernel = _gather_rows_kernel if plain(src, out) else wrap_triton(_gather_rows_kernel)
-        kernel[(triton.cdiv(rows, per_program), triton.cdiv(h, block))](
-            src, index, out, rows, h, src.stride(0), out.stride(0), ROWS=per_program, BLOCK_H=block, num_warps=4)
-    return out
-
-
 def scatter_rows_into(src: torch.Tensor, slot_index: torch.Tensor, row_index: torch.Tensor,
                       out: torch.Tensor) -> torch.Tensor:
     """Write ``src[t]`` into the rows ``slot_index[t, k] >= 0`` of ``out`` [R, H] and zeros into the rows with
-    ``row_index[r] < 0``, cast to out's dtype: ``gather_rows_into(src, row_index, out)`` for inverse maps (every
-    row of out padding or listed by exactly one slot, of its token ``row_index[r]``), reading each source row once.
+    ``row_index[r] < 0``, cast to out's dtype: ``out[r] = src[row_index[r]]`` for inverse maps (every row of out
+    padding or listed by exactly one slot, of its token ``row_index[r]``), reading each source row once.
 
-    ``src`` [T, H] and ``out`` as in ``gather_rows_into``; ``slot_index`` [T, K] and ``row_index`` [R] int64
-    contiguous. Returns ``out``."""
+    ``src`` [T, H] and ``out`` [R, H] may be column slices of wider buffers (any row stride, contiguous columns);
+    ``slot_index`` [T, K] and ``row_index`` [R] int64 contiguous. Returns ``out``."""
     _check_rows(src, out)
     tokens, k = slot_index.shape
     rows, h = row_index.shape[0], out.shape[1]
     if rows and h:
-        block = min(_GATHER_BLOCK_H, _block(h))
-        per_program, col_blocks = _GATHER_ELEMENTS // block, triton.cdiv(h, block)
+        block = min(_SCATTER_BLOCK_H, _block(h))
+        per_program, col_blocks = _SCATTER_ELEMENTS // block, triton.cdiv(h, block)
         scatter_programs = triton.cdiv(tokens, per_program) * col_blocks
         kernel = _scatter_rows_kernel if plain(src, out) else wrap_triton(_scatter_rows_kernel)
         kernel[(scatter_programs + triton.cdiv(rows, _ZERO_ROWS),)](
@@ -132,7 +101,7 @@ def scatter_rows_into(src: torch.Tensor, slot_index: torch.Tensor, row_index: to
 
 def gather_sum_rows_into(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write the float32 sum of ``src[index[t, k]]`` over the K slots with ``index >= 0`` into row t of ``out``
-    [T, H], cast to out's dtype. ``src`` [R, H] and ``out`` as in ``gather_rows_into``; ``index`` [T, K] int64
+    [T, H], cast to out's dtype. ``src`` [R, H] and ``out`` as in ``scatter_rows_into``; ``index`` [T, K] int64
     contiguous. Returns ``out``."""
     _check_rows(src, out)
     tokens, k = index.shape
