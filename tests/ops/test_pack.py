@@ -11,7 +11,7 @@ import torch
 from moe_core.ops.pack import pack_rows, packed_values, packed_width, unpack_rows
 from moe_core.ops.permute import permute_rows, unpermute_rows
 from moe_core.ops.triton_available import triton_available
-from tests.ops.test_permute import random_maps
+from tests.ops.test_permute import random_maps, with_padding
 
 
 @pytest.mark.parametrize("hidden,values,dtype,width", [
@@ -118,8 +118,7 @@ def test_opcheck():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden,num_values", [(1, 1), (40, 16), (2048, 1), (4096, 16)])
 def test_triton_path_equals_the_cpu_bitwise(dtype, hidden, num_values):
-    token_of_row, row_of_slot = random_maps(300, 8, 64, seed=hidden)
-    token_of_row[::7] = -1
+    token_of_row, row_of_slot = with_padding(*random_maps(300, 8, 64, seed=hidden), step=7)
     x = torch.randn(300, hidden).to(dtype)
     values = torch.rand(token_of_row.shape[0], num_values)
     packed_cpu = pack_rows(x, values, token_of_row.unsqueeze(1), row_of_slot)
