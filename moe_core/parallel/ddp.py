@@ -23,9 +23,15 @@ def apply_ddp(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks
     """Replicate ``model`` in place for EP training (Megatron's default DDP).
 
     Parameters become DTensors with a ``Replicate`` placement; after backward each gradient is the sum over
-    its mesh (dense: all ranks, experts: expert-DP). See ``apply_fsdp2`` for the arguments.
+    its mesh (dense: all ranks, experts: expert-DP). Experts whose expert-DP mesh has one rank (``ep`` times
+    ``expt_tp`` ranks span the world) have nothing to sum and stay unwrapped: ``replicate`` would copy each of
+    their gradients into a reduce buffer and out again every step. Their parameters stay plain, so an optimizer
+    must hold dense and expert parameters in separate groups (``training.step.build_optimizer`` does): a foreach
+    or fused step over a group mixing DTensors and plain tensors raises. Call it on the allocated model (the
+    ``allreduce = False`` mark of an unwrapped expert does not survive ``to_empty``). See ``apply_fsdp2`` for the
+    arguments.
     """
-    return wrap_per_block(model, pg_collection, replicate, blocks=blocks)
+    return wrap_per_block(model, pg_collection, replicate, blocks=blocks, wrap_lone_experts=False)
 
 
 __all__ = ["apply_ddp"]

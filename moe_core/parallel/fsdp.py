@@ -65,15 +65,27 @@ def split_expert_params(model: nn.Module, expert_modules: Iterable[nn.Module] | 
 
 
 def wrap_per_block(model: nn.Module, pg_collection: ProcessGroupCollection, wrap: Callable[..., nn.Module], *,
-                   blocks: Iterable[nn.Module] | None = None, **wrap_kwargs) -> nn.Module:
+                   blocks: Iterable[nn.Module] | None = None, wrap_lone_experts: bool = True,
+                   **wrap_kwargs) -> nn.Module:
     """Apply ``wrap`` (``fully_shard`` or FSDP2's ``replicate``) per block: experts on the expert-DP mesh,
-    the block on the DP mesh, then the root; set sum reduction on every resulting module."""
+    the block on the DP mesh, then the root; set sum reduction on every resulting module.
+
+    ``wrap_lone_experts=False``: where the expert-DP mesh has one rank, the experts are not wrapped and the
+    blocks' and root's wraps ignore their parameters, which stay as they are (plain tensors, or TP DTensors),
+    marked ``allreduce = False`` (Megatron's mark of an expert parameter: ``grad_clip`` refuses them as dense)."""
     blocks = find_blocks(model) if blocks is None else list(blocks)
+    lone = not wrap_lone_experts and pg_collection.expt_dp_mesh.size() == 1
+    ignored: set[nn.Parameter] = set()
     for block in blocks:
         for experts in find_expert_modules(block):
-            wrap(experts, mesh=pg_collection.expt_dp_mesh, **wrap_kwargs)
-        wrap(block, mesh=pg_collection.dp_mesh, **wrap_kwargs)
-    wrap(model, mesh=pg_collection.dp_mesh, **wrap_kwargs)
+            if lone:
+                for param in experts.parameters():
+                    param.allreduce = False
+                    ignored.add(param)
+            else:
+                wrap(experts, mesh=pg_collection.expt_dp_mesh, **wrap_kwargs)
+        wrap(block, mesh=pg_collection.dp_mesh, ignored_params=ignored or None, **wrap_kwargs)
+    wrap(model, mesh=pg_collection.dp_mesh, ignored_params=ignored or None, **wrap_kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -20,8 +20,9 @@ collective.
 
 The caller's dense / expert split decides the ``ep`` factor, and a wrapped model's gradients carry their mesh:
 a DTensor gradient must live on the dense meshes (dimensions ``dp`` and ``tp``) or the expert ones
-(``expt_dp`` and ``expt_tp``), so a parameter passed in the wrong list raises instead of silently changing
-the norm. A ``Partial`` gradient (not yet reduced) raises too.
+(``expt_dp`` and ``expt_tp``), and an expert parameter left unwrapped (``allreduce = False``, DDP with a one-rank
+expert-DP mesh) must not be in the dense list, so a parameter passed in the wrong list raises instead of silently
+changing the norm. A ``Partial`` gradient (not yet reduced) raises too.
 """
 
 from __future__ import annotations
@@ -58,12 +59,18 @@ def _mesh_names(pg_collection: ProcessGroupCollection | None, expert: bool) -> l
     return [("dp",)] + ([("tp",), ("dp", "tp")] if pg_collection.tp is not None else [])
 
 
-def _check_mesh(grad: torch.Tensor, names: list[tuple[str, ...]] | None, where: str) -> None:
-    if names is not None and isinstance(grad, DTensor) and grad.device_mesh.mesh_dim_names not in names:
+def _check_mesh(param: torch.nn.Parameter, names: list[tuple[str, ...]] | None, where: str) -> None:
+    if names is None:
+        return
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.device_mesh.mesh_dim_names not in names:
         raise ValueError(
             f"{where}: its gradient lives on mesh {grad.device_mesh.mesh_dim_names}, expected "
             f"{' or '.join(map(str, names))}; pass the parameters as split_expert_params(model) splits them"
         )
+    if getattr(param, "allreduce", True) is False and ("dp",) in names:
+        raise ValueError(f"{where}: an expert parameter (allreduce=False, not wrapped on its one-rank expert-DP "
+                         "mesh) in the dense list; pass the parameters as split_expert_params(model) splits them")
 
 
 def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Iterable[torch.nn.Parameter],
@@ -77,8 +84,8 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
     Raises:
         ValueError: ``norm_type`` is not positive, a grad is still ``Partial``, or a DTensor grad is not on a
             mesh of its list (``dense_params[i]``: dimensions ``dp`` / ``tp``, ``expert_params[i]``:
-            ``expt_dp`` / ``expt_tp``); the message names the list and index. Plain-tensor grads carry no mesh
-            and are taken as split.
+            ``expt_dp`` / ``expt_tp``), or an expert parameter marked ``allreduce = False`` is in the dense list;
+            the message names the list and index. Other plain-tensor grads carry no mesh and are taken as split.
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
@@ -94,7 +101,7 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
         for i, p in enumerate(params):
             if p.grad is None:
                 continue
-            _check_mesh(p.grad, mesh, f"{arg}[{i}] (shape {tuple(p.shape)})")
+            _check_mesh(p, mesh, f"{arg}[{i}] (shape {tuple(p.shape)})")
             local, shards = _local_and_shards(p.grad)
             # One read of the gradient, accumulated in float32.
             norm = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32)

@@ -87,18 +87,18 @@ def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: to
     """The GPTModel of the single-process run with seed ``cfg.seed`` (``models.init.init_weights``); under
     EP / TP this rank's experts and TP shards of it, wrapped with FSDP2 or DDP.
 
-    Built on the meta device, split and wrapped there, then allocated on ``device`` and initialised: a rank
-    never holds more than its shards (and one whole parameter while initialising it), so the model may be
-    far larger than one device. With ``bf16`` on CUDA, FSDP2 gets a ``MixedPrecisionPolicy`` (bf16 parameters
-    for compute and all-gather, float32 gradient reduction) instead of autocast."""
+    Built on the meta device, split (and sharded with FSDP2) there, then allocated on ``device`` and initialised:
+    a rank never holds more than its shards (and one whole parameter while initialising it), so the model may be
+    far larger than one device. DDP wraps the allocated model: its parameters are whole on every rank anyway,
+    and the experts it leaves unwrapped keep their ``allreduce`` mark (allocation would replace them). With
+    ``bf16`` on CUDA, FSDP2 gets a ``MixedPrecisionPolicy`` (bf16 parameters for compute and all-gather, float32
+    gradient reduction) instead of autocast."""
     torch.manual_seed(cfg.seed)
     with torch.device("meta"):
         model = GPTModel(model_config, pg_collection)
     if pg_collection is not None:
         apply_tensor_parallel(model, pg_collection)
-        if not cfg.use_torch_fsdp2:
-            apply_ddp(model, pg_collection)
-        else:
+        if cfg.use_torch_fsdp2:
             mp_policy = None
             if _bf16_on(cfg, device):
                 mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -108,6 +108,8 @@ def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: to
     if pg_collection is not None and model_config.num_moe_experts is not None:
         expert_offset = pg_collection.local_expert_indices(model_config.num_moe_experts)[0]
     init_weights(model, cfg.seed, expert_offset)
+    if pg_collection is not None and not cfg.use_torch_fsdp2:
+        apply_ddp(model, pg_collection)
     return model
 
 

@@ -63,7 +63,7 @@ def _gpt_train(wrapper: str, ep: int, dispatcher: str, routing: str, steps: int 
         _route_to_first_experts(model)
     WRAPPERS[wrapper](model, pg)
     dense, expert = split_expert_params(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW([{"params": dense}, {"params": expert}], lr=1e-2, foreach=True)  # as in test_training
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     global_batch = BATCH_PER_RANK * world
     rows = rank_slice(global_batch, pg)

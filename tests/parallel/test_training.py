@@ -82,7 +82,12 @@ def _train(wrapper: str, ep: int, scenario: str, dispatcher: str = "alltoall", s
         load_ep_slice(model, full, pg.ep_rank, cfg.num_local_experts)
     WRAPPERS[wrapper](model, pg)
     dense, expert = split_expert_params(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if wrapper == "ddp":  # experts alone on their expert-DP mesh stay unwrapped: nothing to reduce
+        lone = pg.expt_dp_mesh.size() == 1
+        assert all(isinstance(p, DTensor) != lone for p in expert) and all(isinstance(p, DTensor) for p in dense)
+    # One group per mesh kind, as build_optimizer makes them: a foreach step (CUDA's default, forced here for
+    # the CPU too) cannot mix DTensors with the plain experts DDP leaves alone on a one-rank expert-DP mesh.
+    opt = torch.optim.SGD([{"params": dense}, {"params": expert}], lr=0.5, foreach=True)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     counts = token_counts(sc, GLOBAL_TOKENS, world)
     start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
