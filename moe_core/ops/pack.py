@@ -47,7 +47,7 @@ def _tail(packed: torch.Tensor, hidden_size: int, num_values: int) -> torch.Tens
     return packed[:, _roundup(hidden_size):].view(torch.float32)[:, :num_values]
 
 
-def _gather_into(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> None:
+def _rows_into(src: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> None:
     if index.shape[1] == 1:
         scatter_rows_into(src, inverse, index[:, 0], out)
     else:
@@ -58,7 +58,7 @@ def _pack_rows(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, inver
                out_dtype: torch.dtype) -> torch.Tensor:
     hidden_size, num_values = x.shape[1], values.shape[1]
     packed = x.new_empty(index.shape[0], packed_width(hidden_size, num_values, out_dtype), dtype=out_dtype)
-    _gather_into(x, index, inverse, packed[:, :hidden_size])
+    _rows_into(x, index, inverse, packed[:, :hidden_size])
     packed[:, hidden_size:].zero_()
     _tail(packed, hidden_size, num_values).copy_(values)
     return packed
@@ -67,7 +67,7 @@ def _pack_rows(x: torch.Tensor, values: torch.Tensor, index: torch.Tensor, inver
 def _unpack_rows(packed: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, hidden_size: int,
                  num_values: int, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     out = packed.new_empty(index.shape[0], hidden_size, dtype=out_dtype)
-    _gather_into(packed[:, :hidden_size], index, inverse, out)
+    _rows_into(packed[:, :hidden_size], index, inverse, out)
     return out, _tail(packed, hidden_size, num_values).clone()
 
 

@@ -59,16 +59,17 @@ def _mesh_names(pg_collection: ProcessGroupCollection | None, expert: bool) -> l
     return [("dp",)] + ([("tp",), ("dp", "tp")] if pg_collection.tp is not None else [])
 
 
-def _check_mesh(param: torch.nn.Parameter, names: list[tuple[str, ...]] | None, where: str) -> None:
-    if names is None:
-        return
-    grad = param.grad
-    if isinstance(grad, DTensor) and grad.device_mesh.mesh_dim_names not in names:
+def _check_mesh(grad: torch.Tensor, names: list[tuple[str, ...]] | None, where: str) -> None:
+    if names is not None and isinstance(grad, DTensor) and grad.device_mesh.mesh_dim_names not in names:
         raise ValueError(
             f"{where}: its gradient lives on mesh {grad.device_mesh.mesh_dim_names}, expected "
             f"{' or '.join(map(str, names))}; pass the parameters as split_expert_params(model) splits them"
         )
-    if getattr(param, "allreduce", True) is False and ("dp",) in names:
+
+
+def _check_not_expert(param: torch.nn.Parameter, where: str) -> None:
+    """A dense-list parameter must not be an expert left unwrapped (plain, so ``_check_mesh`` cannot see it)."""
+    if getattr(param, "allreduce", True) is False:
         raise ValueError(f"{where}: an expert parameter (allreduce=False, not wrapped on its one-rank expert-DP "
                          "mesh) in the dense list; pass the parameters as split_expert_params(model) splits them")
 
@@ -92,16 +93,16 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
         raise ValueError(f"norm_type: expected > 0 or inf, got {norm_type}")
     world = 1 if pg_collection is None else dist.get_world_size()
     ep = 1 if pg_collection is None else pg_collection.ep_size
-    groups = (
-        ("dense_params", dense_params, 1, _mesh_names(pg_collection, expert=False)),
-        ("expert_params", expert_params, ep, _mesh_names(pg_collection, expert=True)),
-    )
     total = None
-    for arg, params, per_rank_copies, mesh in groups:
+    for arg, params, expert in (("dense_params", dense_params, False), ("expert_params", expert_params, True)):
+        per_rank_copies, mesh = (ep if expert else 1), _mesh_names(pg_collection, expert)
         for i, p in enumerate(params):
             if p.grad is None:
                 continue
-            _check_mesh(p, mesh, f"{arg}[{i}] (shape {tuple(p.shape)})")
+            where = f"{arg}[{i}] (shape {tuple(p.shape)})"
+            _check_mesh(p.grad, mesh, where)
+            if not expert and pg_collection is not None:
+                _check_not_expert(p, where)
             local, shards = _local_and_shards(p.grad)
             # One read of the gradient, accumulated in float32.
             norm = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32)
