@@ -11,17 +11,17 @@
 namespace moe_core {
 namespace {
 
-// Row offsets [E + 1] of each expert's block; checks the counts' values (the CPU path may read them).
+// Row offsets [E + 1] of each expert's block; checks the counts' values (the CPU path may read them): non-negative,
+// summing to at most T. Rows past the sum are padding: forward writes zeros there and wgrad ignores them.
 std::vector<int64_t> row_offsets(const at::Tensor& tokens_per_expert, int64_t num_rows) {
   auto counts = tokens_per_expert.to(at::kCPU, at::kLong).contiguous();
   const int64_t* c = counts.data_ptr<int64_t>();
   std::vector<int64_t> offsets(counts.numel() + 1, 0);
   for (int64_t e = 0; e < counts.numel(); ++e) {
     TORCH_CHECK(c[e] >= 0, "tokens_per_expert: expected non-negative counts, got ", c[e], " for expert ", e);
+    TORCH_CHECK(c[e] <= num_rows - offsets[e], "tokens_per_expert: counts sum past T = ", num_rows, " at expert ", e);
     offsets[e + 1] = offsets[e] + c[e];
   }
-  TORCH_CHECK(offsets.back() == num_rows, "tokens_per_expert: counts sum to ", offsets.back(), ", expected T = ",
-              num_rows);
   return offsets;
 }
 
@@ -65,6 +65,7 @@ at::Tensor grouped_gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const auto wc = weight.contiguous();
   auto out = at::empty({x.size(0), n}, x.options());
   if (k == 0) return out.zero_();
+  out.narrow(0, offsets.back(), x.size(0) - offsets.back()).zero_();
   for_each_expert(weight.size(0), x.size(0), [&](int64_t e) {
     const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows == 0) return;

@@ -91,6 +91,11 @@ class TransformerConfig:
     """GroupedMLP (one grouped GEMM per linear) if True, else SequentialMLP (per-expert loop)."""
     moe_token_dispatcher_type: str = "alltoall"
     """One of DISPATCHER_TYPES."""
+    moe_dispatch_sync_free: bool = False
+    """EP dispatch without a host sync: every token travels to every EP rank and the expert rows are sized for
+    the worst case (each token on all its local experts), padded past ``tokens_per_expert``'s sum. Static shapes
+    for a data-dependent routing, at the cost of memory; worth it at small EP, where almost every token reaches
+    every rank anyway. moe_core's name; DeepEP's low-latency mode makes the same trade."""
 
     # --- router ---
     moe_router_score_function: str = "softmax"

@@ -7,12 +7,13 @@ NCCL floor of the same bytes.
     ... --expert scale                                               # the experts of the issue's baseline table
     nsys profile -o $OUT/dispatch --trace cuda,nvtx,osrt torchrun ... --iters 5   # NVTX ranges per phase
 
-Dispatchers: ``alltoall`` (its default layout: token rows, a token once per EP rank), ``alltoall_expert_rows``
-(the same dispatcher forced to one row per (token, expert), Megatron's layout, which it keeps for drop_and_pad),
-``allgather``. Experts: ``identity`` (default), the dispatched rows go straight to combine and the probs get a
-gradient of ones, so only the dispatcher is timed (its gathers, the count exchange and its host sync, the
-collectives); ``scale``, ``y = x * prob`` per row, one more pass over the rows each way. Uniform random top-k
-routing, bf16 rows (or --dtype).
+Dispatchers: ``alltoall`` (its default layout: token rows, a token once per EP rank), ``alltoall_expert_rows`` (the
+same dispatcher forced to one row per (token, expert), Megatron's layout, which it keeps for drop_and_pad),
+``allgather``; ``alltoall_sync_free`` and ``allgather_sync_free``, the two with ``moe_dispatch_sync_free`` (every
+token to every rank, expert rows sized for the worst case, no host sync). Experts: ``identity`` (default), the
+dispatched rows go straight to combine and the probs get a gradient of ones, so only the dispatcher is timed (its
+gathers, the count exchange and its host sync, the collectives); ``scale``, ``y = x * prob`` per row, one more pass
+over the rows each way. Uniform random top-k routing, bf16 rows (or --dtype).
 
 Floor: the collectives one step of the dispatcher issues, recorded (shapes, dtypes, split sizes) and replayed alone
 on preallocated buffers, forward's and backward's separately: what NCCL needs to move those bytes, with no compute.
@@ -55,7 +56,8 @@ class _ExpertRows(EP_DISPATCHERS["alltoall"]):
     token_rows = False
 
 
-DISPATCHERS = {**EP_DISPATCHERS, "alltoall_expert_rows": _ExpertRows}
+DISPATCHERS = {**EP_DISPATCHERS, "alltoall_expert_rows": _ExpertRows,
+               **{f"{name}_sync_free": cls for name, cls in EP_DISPATCHERS.items()}}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,7 +122,8 @@ def bench_dispatcher(name: str, args, pg: ProcessGroupCollection, device: torch.
     """Rows for one dispatcher: its forward and backward beside the replay of their collectives."""
     config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
                                num_moe_experts=args.num_experts, moe_router_topk=args.topk,
-                               expert_model_parallel_size=pg.ep_size)
+                               expert_model_parallel_size=pg.ep_size,
+                               moe_dispatch_sync_free=name.endswith("_sync_free"))
     local = pg.local_expert_indices(args.num_experts)
     dispatcher = DISPATCHERS[name](len(local), local, config, pg)
     hidden, probs, routing_map = routing(args, device, dist.get_rank())

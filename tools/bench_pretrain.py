@@ -187,6 +187,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3; --smoke 1)")
     parser.add_argument("--profile", action="store_true", help="CUDA time by category over 3 steps per provider")
     parser.add_argument("--smoke", action="store_true", help="a tiny built-in model instead of --configs")
+    parser.add_argument("--moe-dispatch-sync-free", action="store_true",
+                        help="the EP rows dispatch without a host sync (moe_dispatch_sync_free)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -204,7 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args, pg=None) -> list[dict]:
     """Every row; with ``pg`` (EP over all ranks, collective) each provider under EP, then alone on every rank."""
     runs = {"smoke": smoke_configs()} if args.smoke else {
-        Path(path).stem: (TransformerConfig.from_yaml(path), TrainingConfig.from_yaml(path)) for path in args.configs}
+        Path(path).stem: (TransformerConfig.from_yaml(path, moe_dispatch_sync_free=args.moe_dispatch_sync_free or None),
+                          TrainingConfig.from_yaml(path)) for path in args.configs}
     layouts = [None] if pg is None else [pg, None]
     rows = []
     with single_thread(args.smoke):

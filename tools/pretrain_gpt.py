@@ -88,12 +88,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
                         default=None, help="GroupedMLP (default) or, with --no-moe-grouped-gemm, SequentialMLP")
     parser.add_argument("--moe-router-enable-expert-bias", dest="moe_router_enable_expert_bias",
                         action="store_true", default=None, help="aux-loss-free balancing (DeepSeek-V3)")
+    parser.add_argument("--moe-dispatch-sync-free", dest="moe_dispatch_sync_free", action="store_true",
+                        default=None, help="EP dispatch without a host sync (static, worst-case expert rows)")
     parser.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=None,
                         help="split the sequence over the TP ranks (required with --tensor-model-parallel-size > 1)")
     args = vars(parser.parse_args(argv))
     model_overrides = {field: args[field] for _, field, _ in MODEL_FLAGS}
     model_overrides.update(moe_grouped_gemm=args["moe_grouped_gemm"],
                            moe_router_enable_expert_bias=args["moe_router_enable_expert_bias"],
+                           moe_dispatch_sync_free=args["moe_dispatch_sync_free"],
                            sequence_parallel=args["sequence_parallel"])
     training_overrides = {field: args[field] for _, field, _ in TRAINING_FLAGS}
     training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"],

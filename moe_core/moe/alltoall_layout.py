@@ -58,6 +58,18 @@ def token_rows(dest_TR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return positions.remainder(tokens), positions.div(tokens, rounding_mode="floor"), row_of_slot
 
 
+def all_token_rows(num_tokens: int, ep: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_rows``' maps when every token goes to every rank (the sync-free layout): row ``r * T + t``.
+
+    Returns:
+        ``(token_of_row [ep * T], dest_of_row [ep * T], row_of_slot [T, ep])`` int64.
+    """
+    rows = torch.arange(ep * num_tokens, device=device)
+    return rows.remainder(max(num_tokens, 1)), rows.div(max(num_tokens, 1), rounding_mode="floor"), \
+        rows.view(ep, num_tokens).t()
+
+
 def row_probs(routing_map: torch.Tensor, probs: torch.Tensor, token_of_row: torch.Tensor, dest_of_row: torch.Tensor,
               ep: int) -> torch.Tensor:
     """``[N_s, L]`` float32, a tail per sent row: its token's probs for the L experts of the row's destination rank,
@@ -81,7 +93,8 @@ def received_row_map(values_NL: torch.Tensor, num_slots: int, num_rows: int
     not routed to a local expert (``row_probs``).
 
     Args:
-        num_slots: K, at least the most local experts any row has. num_rows: R, the routed entries (a host int).
+        num_slots: K, at least the most local experts any row has. num_rows: R, the routed entries or a bound on
+            them (a host int); the rows past the routed ones are unused (token_of_row -2, value_index 0).
     Returns:
         ``(row_map, value_index [R], tokens_per_expert [L])``: ``moe_utils.build_row_map``'s map of ``values_NL >
         -inf`` (expert-major, row order inside an expert), the flat position ``n * L + e`` of each expert row's
@@ -95,7 +108,8 @@ def received_row_map(values_NL: torch.Tensor, num_slots: int, num_rows: int
         return RowMap(token_of_row, row_of_slot), value_index, tokens_per_expert
     routing_NL = values_NL > -math.inf
     row_map, expert_of_row = build_row_map(routing_NL, num_slots, num_out_tokens=num_rows)
-    return row_map, row_map.token_of_row * routing_NL.shape[1] + expert_of_row, routing_NL.sum(dim=0)
+    value_index = torch.where(row_map.token_of_row >= 0, row_map.token_of_row * routing_NL.shape[1] + expert_of_row, 0)
+    return row_map, value_index, routing_NL.sum(dim=0)
 
 
-__all__ = ["chunk_transpose_index", "token_rows", "row_probs", "received_row_map"]
+__all__ = ["chunk_transpose_index", "token_rows", "all_token_rows", "row_probs", "received_row_map"]

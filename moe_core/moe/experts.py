@@ -46,19 +46,22 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, row_scale: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        """``x [R, in]`` expert-major, ``tokens_per_expert [E]`` int -> ``[R, out]``.
+        """``x [R, in]`` expert-major, ``tokens_per_expert [E]`` int summing to at most R -> ``[R, out]``.
 
-        Each row gets its expert's bias, times ``row_scale [R]`` when given.
+        Each row gets its expert's bias, times ``row_scale [R]`` when given; padding rows past the counts' sum
+        are zeros.
         """
         out = grouped_gemm(x, local_shard(self.weight), tokens_per_expert)
         if self.bias is None:
             return out
-        # output_size keeps repeat_interleave from reading the counts on the host.
-        expert_ids = torch.repeat_interleave(
-            torch.arange(self.weight.shape[0], device=x.device), tokens_per_expert.to(x.device),
-            output_size=x.shape[0],
-        )
-        bias_rows = local_shard(self.bias).index_select(0, expert_ids)
+        # The padding rows form a last group with a zero bias; output_size keeps repeat_interleave from reading
+        # the counts on the host.
+        counts = tokens_per_expert.to(x.device)
+        counts = torch.cat([counts, (x.shape[0] - counts.sum()).reshape(1)])
+        expert_ids = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts,
+                                             output_size=x.shape[0])
+        bias = local_shard(self.bias)
+        bias_rows = torch.cat([bias, bias.new_zeros(1, bias.shape[1])]).index_select(0, expert_ids)
         if row_scale is not None:
             bias_rows = bias_rows * row_scale.unsqueeze(-1)
         return out + bias_rows.to(out.dtype)
@@ -92,7 +95,8 @@ class GroupedMLP(nn.Module):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """``[R, H]``, ``[E]`` int (summing to R), ``[R]`` float -> ``([R, H] in the input's dtype, None)``.
+        """``[R, H]``, ``[E]`` int (summing to at most R; the rows past the sum are padding, zeros out), ``[R]``
+        float -> ``([R, H] in the input's dtype, None)``.
 
         No host sync. Raises ValueError / TypeError on mismatched shapes or dtypes.
         """
@@ -128,10 +132,12 @@ class SequentialMLP(nn.Module):
         hidden_size = self.local_experts[0].linear_fc1.in_features
         check_expert_inputs(x, tokens_per_expert, permuted_probs, self.num_local_experts, hidden_size)
         counts = tokens_per_expert.tolist()
-        if sum(counts) != x.shape[0]:
-            raise ValueError(f"tokens_per_expert: expected counts summing to R={x.shape[0]}, got {counts}")
+        if sum(counts) > x.shape[0]:
+            raise ValueError(f"tokens_per_expert: expected counts summing to at most R={x.shape[0]}, got {counts}")
+        num_padding = x.shape[0] - sum(counts)
         outputs = []
-        for expert, x_e, p_e in zip(self.local_experts, x.split(counts), permuted_probs.split(counts), strict=True):
+        for expert, x_e, p_e in zip(self.local_experts, x.split(counts + [num_padding])[:-1],
+                                    permuted_probs.split(counts + [num_padding])[:-1], strict=True):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
             fc1_out = nn.functional.linear(x_e, local_shard(fc1.weight), local_shard(fc1.bias))
             if self.probs_on_output:
@@ -144,6 +150,7 @@ class SequentialMLP(nn.Module):
             if fc2.bias is not None:
                 out_e = out_e + (local_shard(fc2.bias) * p_e.unsqueeze(-1)).to(out_e.dtype)
             outputs.append(out_e)
+        outputs.append(x.new_zeros(num_padding, hidden_size, dtype=outputs[0].dtype))
         return torch.cat(outputs, dim=0), None
 
 

@@ -27,7 +27,8 @@ class RowMap:
 
     Attributes:
         token_of_row: ``[R]`` int64, the token row r copies; -1 for a padding row (drop_and_pad), which holds
-            zeros.
+            zeros; -2 for an unused row past the routed ones under a row bound (``permute``'s ``max_out_tokens``,
+            the sync-free dispatch), left unwritten: no kernel reads the rows past tokens_per_expert's sum.
         row_of_slot: ``[T, K]`` int64, the rows of token t in expert order; -1 for an empty slot (a dropped
             or unused one).
     """
@@ -43,7 +44,8 @@ def build_row_map(routing_map: torch.Tensor, num_slots: int, num_out_tokens: int
 
     Args:
         num_slots: K, at least the most experts any token has (``moe_router_topk``).
-        num_out_tokens: R when known (``routing_map.sum()``): spares ``nonzero``'s host sync.
+        num_out_tokens: R when known (``routing_map.sum()``), or a bound on it whose rows past the sum are unused
+            (token -2): spares ``nonzero``'s host sync.
         capacity: C for drop_and_pad: expert e's rows are its routed tokens in token order, then padding rows,
             C rows in all (R = E * C). The router must already have dropped tokens beyond C.
     """
@@ -55,9 +57,9 @@ def build_row_map(routing_map: torch.Tensor, num_slots: int, num_out_tokens: int
             positions = flat_ET.nonzero().squeeze(1)
         else:
             positions = torch.nonzero_static(flat_ET, size=num_out_tokens).squeeze(1)
-        token_of_row = positions.remainder(max(num_tokens, 1))
+        valid = positions >= 0  # nonzero_static fills the rows past the sum with -1
+        token_of_row = torch.where(valid, positions.remainder(max(num_tokens, 1)), -2)
         expert_of_row = positions.div(max(num_tokens, 1), rounding_mode="floor")
-        valid = torch.ones_like(token_of_row, dtype=torch.bool)
     else:
         # Routed tokens sort first (stable keeps token order); columns past T are padding.
         order_ET = routing_map.t().to(torch.int8).argsort(dim=1, descending=True, stable=True)
@@ -82,7 +84,8 @@ def build_row_map(routing_map: torch.Tensor, num_slots: int, num_out_tokens: int
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
             num_out_tokens: int | None = None, drop_and_pad: bool = False, num_slots: int | None = None,
-            pack_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, RowMap]:
+            pack_probs: bool = False, max_out_tokens: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None, RowMap]:
     """Gather token rows into expert-major order (Megatron's ``permute`` with a routing map).
 
     Rows of expert 0 come first, then expert 1, ...; inside an expert, rows are in token order.
@@ -99,6 +102,11 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
             rows whose prob is 0, C rows in all. The router must already have dropped tokens beyond C
             (``apply_token_dropping``); extra ones would be cut here silently.
         num_slots: K, at least the most experts any token has; None: E (always enough).
+        max_out_tokens: instead of ``num_out_tokens``, an upper bound on ``routing_map.sum()`` (without
+            ``drop_and_pad``): R = max_out_tokens rows, the routed ones expert-major, then unused rows (prob 0,
+            token_of_row -2, left unwritten on CUDA), so the shapes are static and no host sync is needed. Rows per
+            expert are still ``routing_map.sum(0)``; the grouped GEMM takes counts summing to less than R and never
+            reads the rows past their sum.
         pack_probs: write the float32 probs into the rows' tails (``moe_core.ops.pack.pack_rows`` with one value,
             ``[R, W]``) in the same pass, instead of returning them apart; needs ``probs``.
     Returns:
@@ -127,16 +135,34 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
         capacity = num_out_tokens // num_experts
     elif num_out_tokens is not None and checkable and int(routing_map.sum()) != num_out_tokens:
         raise ValueError(f"num_out_tokens: expected routing_map.sum() = {int(routing_map.sum())}, got {num_out_tokens}")
+    if max_out_tokens is not None:
+        if drop_and_pad or num_out_tokens is not None:
+            raise ValueError("max_out_tokens: expected neither num_out_tokens nor drop_and_pad beside it")
+        if num_tokens == 0 and max_out_tokens:
+            raise ValueError(f"max_out_tokens: expected 0 without tokens, got {max_out_tokens}")
+        if checkable and int(routing_map.sum()) > max_out_tokens:
+            raise ValueError(f"max_out_tokens: expected at least routing_map.sum() = {int(routing_map.sum())}, "
+                             f"got {max_out_tokens}")
+        num_out_tokens = max_out_tokens
     row_map, expert_of_row = build_row_map(routing_map, num_slots, num_out_tokens, capacity)
-    permuted_probs = None
-    if probs is not None:
-        permuted_probs = probs[row_map.token_of_row.clamp_min(0), expert_of_row] * (row_map.token_of_row >= 0)
+    permuted_probs = None if probs is None else _row_probs(probs, row_map.token_of_row, expert_of_row)
     if pack_probs:
         packed = pack_rows(tokens, permuted_probs.float().unsqueeze(1), row_map.token_of_row.unsqueeze(1),
                            row_map.row_of_slot, compute_dtype(tokens))
         return packed, None, row_map
     permuted = permute_rows(tokens, row_map.token_of_row, row_map.row_of_slot, compute_dtype(tokens))
     return permuted, permuted_probs, row_map
+
+
+def _row_probs(probs: torch.Tensor, token_of_row: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+    """``[R]``: each row's prob, 0 for a padding or unused row. Such a row reads a zero of its own, appended after
+    probs: the gradient's accumulation then never meets one index many times (thousands of rows on one entry
+    serialise it), and whatever gradient an unused row gets is dropped."""
+    num_tokens, num_experts = probs.shape
+    num_rows = token_of_row.shape[0]
+    flat = torch.cat([probs.reshape(-1), probs.new_zeros(num_rows)])
+    own_zero = num_tokens * num_experts + torch.arange(num_rows, device=token_of_row.device)
+    return flat[torch.where(token_of_row >= 0, token_of_row * num_experts + expert_of_row, own_zero)]
 
 
 def unpermute(permuted: torch.Tensor, row_map: RowMap) -> torch.Tensor:

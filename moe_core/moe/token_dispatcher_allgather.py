@@ -10,8 +10,10 @@ combine:   unpermute (gather-sum) into [G, H], sum reduce-scatter           -> [
 Row order inside an expert is (source rank, token index), the same as ``MoEAlltoAllTokenDispatcher``, so
 both feed the experts identical inputs. Three all-gathers in dispatch and one reduce-scatter in combine on
 every rank (mirrors in backward); tokens_per_expert stays on the device, so the dispatcher itself needs no
-host sync (``permute`` may, to size its output). Under torch.compile both run eagerly, as the all-to-all
-dispatcher's EP exchange does (its module docstring says why): the expert compute around them compiles.
+host sync. ``permute`` needs one to size its output, unless ``moe_dispatch_sync_free`` sizes it for the worst case,
+G * min(K, L) rows, the rows past ``tokens_per_expert``'s sum padding (zeros, prob 0; the grouped GEMM skips
+them). Under torch.compile both run eagerly, as the all-to-all dispatcher's EP exchange does (its module docstring
+says why): the expert compute around them compiles.
 """
 
 from __future__ import annotations
@@ -43,13 +45,15 @@ class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
         gathered_GH = all_gather_first_dim(hidden, self.ep_group)
         local_probs_GL = all_gather_first_dim(probs.float(), self.ep_group)[:, first:last]
         local_map_GL = all_gather_first_dim(routing_map, self.ep_group)[:, first:last]
-        num_out_tokens = None
+        num_out_tokens = max_out_tokens = None
         if self.drop_and_pad:
             # Each source rank padded every expert to its own capacity; the local experts see ep of them.
             num_out_tokens = self.capacity(hidden.shape[0]) * self.ep_size * self.num_local_experts
+        elif self.config.moe_dispatch_sync_free:
+            max_out_tokens = gathered_GH.shape[0] * min(self.topk, self.num_local_experts)
         permuted_RH, permuted_probs_R, row_map = permute(
             gathered_GH, local_map_GL, probs=local_probs_GL, num_out_tokens=num_out_tokens,
-            drop_and_pad=self.drop_and_pad,
+            max_out_tokens=max_out_tokens, drop_and_pad=self.drop_and_pad,
             num_slots=None if self.drop_and_pad else min(self.topk, self.num_local_experts),
         )
         if self.drop_and_pad:

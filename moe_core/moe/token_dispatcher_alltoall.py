@@ -22,6 +22,11 @@ combine:   sum each received token's expert rows           -> [N, H]            
            reverse all_to_all                               -> [N_s, H]
            sum each token's rows from its ranks             -> [T, H]             (gather-sum)
 
+Sync-free token rows (``moe_dispatch_sync_free``): every token travels to every EP rank (equal split sizes, T per
+peer, so no count exchange and no host sync), its tail -inf for the experts it does not reach there; the receiver's
+expert rows are sized for the worst case, N * min(K, L), the rows past ``tokens_per_expert``'s sum padding (zeros,
+prob 0; the grouped GEMM skips them). Every EP rank must pass the same T.
+
 Expert rows (drop_and_pad, whose static shapes need a row per (token, expert) and capacity slot; and L = 1, where
 both layouts coincide): Megatron's layout.
 
@@ -36,15 +41,15 @@ Under torch.compile the EP exchange (dispatch and combine at ep > 1) runs eagerl
 from the count exchange, which a traced graph would have to take as symbolic sizes (some torch releases fail to
 trace them). The expert compute around it compiles.
 
-Every rank issues the same collectives in the same order whatever the routing, a rank sending or receiving
-nothing included: the count exchange (not with drop_and_pad), the rows' all-to-all (plus the probs' with L = 1),
-combine's all-to-all, and their mirrors in backward.
+Every rank issues the same collectives in the same order whatever the routing, a rank sending or receiving nothing
+included: the count exchange (not with drop_and_pad or sync-free), the rows' all-to-all (plus the probs' with L =
+1), combine's all-to-all, and their mirrors in backward.
 
-Host syncs: none with drop_and_pad (static split sizes); otherwise one per dispatch (Megatron's ``preprocess``
-has the same): ``all_to_all_single`` takes its split sizes as host ints, so the exchanged counts must reach the
-host (``_CountsCopy.wait``), which also sizes the row maps without more syncs. (With L = 1, a capacity factor and
-no padding, ``permute`` adds its own to size the data-dependent rows.) Backward needs no host data beyond the same
-splits.
+Host syncs: none with drop_and_pad or moe_dispatch_sync_free (static split sizes); otherwise one per dispatch
+(Megatron's ``preprocess`` has the same): ``all_to_all_single`` takes its split sizes as host ints, so the exchanged
+counts must reach the host (``_CountsCopy.wait``), which also sizes the row maps without more syncs. (With L = 1, a
+capacity factor and no padding, ``permute`` adds its own to size the data-dependent rows.) Backward needs no host
+data beyond the same splits.
 
 Streams (CUDA): the count exchange and its copy to pinned host memory run on a side stream
 (``moe_utils.side_stream(device, "dispatch")``) after the routing only, so they overlap the work queued after
@@ -61,7 +66,13 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_core.moe.alltoall_layout import chunk_transpose_index, received_row_map, row_probs, token_rows
+from moe_core.moe.alltoall_layout import (
+    all_token_rows,
+    chunk_transpose_index,
+    received_row_map,
+    row_probs,
+    token_rows,
+)
 from moe_core.moe.moe_utils import (
     RowMap,
     check_num_slots,
@@ -129,7 +140,7 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
     @property
     def token_rows(self) -> bool:
         """Whether rows travel per (token, EP rank) (module docstring); else per (token, expert)."""
-        return not self.drop_and_pad and self.num_local_experts > 1
+        return not self.drop_and_pad and (self.num_local_experts > 1 or self.config.moe_dispatch_sync_free)
 
     def combine(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
         """Return ``expert_output`` [R, H] rows to their source ranks and sum each token's rows into ``[T, H]``.
@@ -159,6 +170,35 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         num_tokens, hidden_size = hidden.shape
         ep, num_local, topk = self.ep_size, self.num_local_experts, self.topk
         check_num_slots(routing_map, topk)
+        sync_free = self.config.moe_dispatch_sync_free
+        if sync_free:
+            token_of_row, dest_of_row, row_of_slot = all_token_rows(num_tokens, ep, hidden.device)
+            values = row_probs(routing_map, probs, token_of_row, dest_of_row, ep)  # [N_s, L]
+            input_splits = output_splits = [num_tokens] * ep
+            num_expert_rows = ep * num_tokens * min(topk, num_local)  # the bound: every token on its K experts
+        else:
+            token_of_row, row_of_slot, values, input_splits, output_splits, num_expert_rows = \
+                self._exchange_token_rows(routing_map, probs)
+
+        sent_map = RowMap(token_of_row, row_of_slot)
+        packed = pack_rows(hidden, values, token_of_row.unsqueeze(1), row_of_slot, compute_dtype(hidden))
+        received = all_to_all(packed, output_splits, input_splits, self.ep_group)  # [N, W]
+
+        received_map, value_index, tokens_per_expert = received_row_map(
+            packed_values(received, hidden_size, num_local), topk, num_expert_rows)
+        rows_RH, probs_NL = unpack_rows(received, received_map.token_of_row.unsqueeze(1), received_map.row_of_slot,
+                                        hidden_size, num_local)
+        probs_R = probs_NL.take(value_index)
+        if sync_free:  # the padding rows' value index 0 reads any tail value, -inf included
+            probs_R = torch.where(received_map.token_of_row >= 0, probs_R, 0.0)
+        meta = AlltoAllDispatchMeta(sent_map, tuple(input_splits), tuple(output_splits), received_map=received_map)
+        return rows_RH, tokens_per_expert, probs_R, meta
+
+    def _exchange_token_rows(self, routing_map, probs):
+        """The rows to send (a token once per rank holding any of its experts), the count exchange and the host
+        sync: ``(token_of_row [N_s], row_of_slot [T, ep], values [N_s, L], input_splits, output_splits, R)``."""
+        num_tokens = routing_map.shape[0]
+        ep, num_local = self.ep_size, self.num_local_experts
         routing_TRL = routing_map.view(num_tokens, ep, num_local)
         dest_TR = routing_TRL.any(dim=2)  # [T, ep]: token t goes to rank r
         # Per peer: rows for each of its local experts, then the tokens it gets.
@@ -170,19 +210,9 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         host = counts_copy.wait()
         sent_RC, received_RC = host[:ep * (num_local + 1)], host[ep * (num_local + 1):]
         input_splits, output_splits = sent_RC[num_local::num_local + 1], received_RC[num_local::num_local + 1]
-        num_sent, num_expert_rows = sum(input_splits), sum(received_RC) - sum(output_splits)
-
-        sent_map = RowMap(token_of_row[:num_sent], row_of_slot)
-        packed = pack_rows(hidden, values[:num_sent], sent_map.token_of_row.unsqueeze(1), row_of_slot,
-                           compute_dtype(hidden))
-        received = all_to_all(packed, output_splits, input_splits, self.ep_group)  # [N, W]
-
-        received_map, value_index, tokens_per_expert = received_row_map(
-            packed_values(received, hidden_size, num_local), topk, num_expert_rows)
-        rows_RH, probs_NL = unpack_rows(received, received_map.token_of_row.unsqueeze(1), received_map.row_of_slot,
-                                        hidden_size, num_local)
-        meta = AlltoAllDispatchMeta(sent_map, tuple(input_splits), tuple(output_splits), received_map=received_map)
-        return rows_RH, tokens_per_expert, probs_NL.take(value_index), meta
+        num_sent = sum(input_splits)
+        return (token_of_row[:num_sent], row_of_slot, values[:num_sent], input_splits, output_splits,
+                sum(received_RC) - sum(output_splits))
 
     @torch.compiler.disable
     def _dispatch_expert_rows(self, hidden, probs, routing_map):

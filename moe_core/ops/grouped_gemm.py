@@ -29,20 +29,21 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch
         x: ``[T, K]`` float32, bfloat16, float16 (or float64, for references); rows grouped by expert.
         weight: ``[E, K, N]``, or ``[E, N, K]`` with ``trans_weight`` (then ``weight[e]^T`` is used); x's dtype
             and device.
-        tokens_per_expert: ``[E]`` int32/int64 on any device, rows of each expert, summing to T. Zeros are
-            fine anywhere (all zero, T == 0).
+        tokens_per_expert: ``[E]`` int32/int64 on any device, rows of each expert, summing to at most T. Zeros
+            are fine anywhere (all zero, T == 0). Rows past the sum are padding (a static bound on the rows, as
+            in a sync-free dispatch): never read, zeros in y and in dgrad, no part of any weight gradient.
         trans_weight: see ``weight``.
         gradient_accumulation_fusion: Megatron's fusion: when ``weight`` carries a float32 ``main_grad``
             of its shape, backward adds the weight gradient into ``weight.main_grad`` and hands autograd a zero
             gradient (so the weight's hooks still fire), setting ``weight.grad_added_to_main_grad = True``.
     Returns:
-        ``[T, N]`` in x's dtype; bf16/fp16 accumulate in float32. Every row is written.
+        ``[T, N]`` in x's dtype; bf16/fp16 accumulate in float32. Every row is written (padding rows as zeros).
     Backward:
         dgrad ``dx = grouped_gemm(dy, weight, trans_weight=not trans_weight)``; wgrad ``dweight[e] = x_e^T dy_e``,
         exactly zero for an expert without rows and never None, also when T == 0.
     Raises:
         TypeError: a non-tensor argument, float counts, unsupported or mismatched dtypes.
-        ValueError: wrong ranks, K or E mismatch, device mismatch, negative counts or counts not summing to T.
+        ValueError: wrong ranks, K or E mismatch, device mismatch, negative counts or counts summing past T.
             The counts' values are checked only when they live on the CPU: reading GPU counts would sync.
     """
     check_grouped_gemm_args(x, weight, tokens_per_expert, trans_weight)
@@ -89,8 +90,9 @@ def check_grouped_gemm_args(x, weight, tokens_per_expert, trans_weight: bool) ->
             raise ValueError(f"tokens_per_expert: a count exceeds T = {x.shape[0]} (x's rows), got "
                              f"{tokens_per_expert.tolist()}")
         total = int(tokens_per_expert.sum())
-        if total != x.shape[0]:
-            raise ValueError(f"tokens_per_expert: counts sum to {total}, expected T = {x.shape[0]} (x's rows)")
+        if total > x.shape[0]:
+            raise ValueError(f"tokens_per_expert: counts sum to {total}, expected at most T = {x.shape[0]} (x's "
+                             "rows)")
 
 
 def _autocast_casts_both(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -3,7 +3,8 @@
 Legend: T tokens, K slots per token (top-k), R routed rows, H hidden.
 
 Two index maps describe a routing (built by ``moe_core.moe.moe_utils.build_row_map``): ``token_of_row [R]``,
-the token each routed row copies (-1: a padding row of zeros), and ``row_of_slot [T, K]``, the row holding
+the token each routed row copies (-1: a padding row of zeros; -2: an unused row, left unwritten on CUDA and zeros
+elsewhere), and ``row_of_slot [T, K]``, the row holding
 each of a token's K slots (-1: an empty slot). Permute writes ``x[token_of_row]``; unpermute gathers each
 token's K rows and sums them in slot order. Each is the other's backward. Permute's rows are copies, one writer
 each, so on CUDA it scatters every token row to its slots (reading the source once) and zeros the padding rows;
@@ -23,11 +24,11 @@ from moe_core.ops.triton_available import triton_available
 
 def scatter_rows_into(src: torch.Tensor, slot_index: torch.Tensor, row_index: torch.Tensor,
                       out: torch.Tensor) -> torch.Tensor:
-    """Write ``src[row_index[r]]`` (zeros where ``row_index[r] < 0``) into row r of ``out``, cast to out's dtype;
-    returns ``out``. ``slot_index`` [T, K] int64 is the inverse map: for each row t of ``src``, the rows of ``out``
-    that copy it (-1: none), every row of ``out`` either listed once, by a slot of its ``row_index[r]``, or padding.
-    On CUDA each source row is read once and written to its rows. ``src`` [T, H] and ``out`` [R, H] may be column
-    slices of wider rows; ``row_index`` [R] int64."""
+    """Write ``src[row_index[r]]`` (zeros where ``row_index[r] == -1``; where it is -2, zeros or nothing) into row r
+    of ``out``, cast to out's dtype; returns ``out``. ``slot_index`` [T, K] int64 is the inverse map: for each row t
+    of ``src``, the rows of ``out`` that copy it (-1: none), every row of ``out`` either listed once, by a slot of its
+    ``row_index[r]``, or padding. On CUDA each source row is read once and written to its rows. ``src`` [T, H] and
+    ``out`` [R, H] may be column slices of wider rows; ``row_index`` [R] int64."""
     if src.is_cuda and triton_available():
         from moe_core.ops.triton.permute import scatter_rows_into as triton_scatter
 
@@ -86,8 +87,9 @@ _UNPERMUTE_ROWS = EagerOp(torch.ops.moe_core.unpermute_rows, _unpermute_rows, _s
 
 def permute_rows(x_TH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot_TK: torch.Tensor,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``[R, H]``: row r is ``x_TH[token_of_row_R[r]]`` cast to ``out_dtype`` (default x's), zeros where the
-    index is -1. Differentiable in x; its backward is ``unpermute_rows`` of the gradient.
+    """``[R, H]``: row r is ``x_TH[token_of_row_R[r]]`` cast to ``out_dtype`` (default x's), zeros where the index
+    is -1, and where it is -2 (an unused row) zeros or, on CUDA, nothing. Differentiable in x; its backward is
+    ``unpermute_rows`` of the gradient.
 
     Args:
         x_TH: ``[T, H]`` float. token_of_row_R: ``[R]`` int64. row_of_slot_TK: ``[T, K]`` int64, the
@@ -101,7 +103,7 @@ def unpermute_rows(y_RH: torch.Tensor, token_of_row_R: torch.Tensor, row_of_slot
                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``[T, H]``: row t sums ``y_RH[row_of_slot_TK[t, k]]`` over its non-empty slots in slot order, in float32
     (float64 for float64 rows), cast to ``out_dtype`` (default y's). Differentiable in y; its backward is
-    ``permute_rows`` of the gradient (padding rows, index -1, get zero gradient)."""
+    ``permute_rows`` of the gradient (padding rows, index -1, get zero gradient; unused rows, -2, none)."""
     return _UNPERMUTE_ROWS(y_RH, token_of_row_R, row_of_slot_TK, out_dtype or y_RH.dtype)
 
 

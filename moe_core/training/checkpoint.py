@@ -58,9 +58,9 @@ FORMAT = "moe_core.checkpoint.v2"
 # TransformerConfig fields a checkpoint may be loaded under with other values: the parallel layout and
 # settings of training, not of the function the weights compute. Every other field must match.
 RESUMABLE_FIELDS = frozenset({
-    "seq_length", "init_method_std", "moe_token_dispatcher_type", "moe_router_dtype", "moe_router_bias_update_rate",
-    "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_input_jitter_eps",
-    "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
+    "seq_length", "init_method_std", "moe_token_dispatcher_type", "moe_dispatch_sync_free", "moe_router_dtype",
+    "moe_router_bias_update_rate", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_input_jitter_eps", "moe_expert_capacity_factor", "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
     "moe_shared_expert_overlap", "expert_model_parallel_size", "tensor_model_parallel_size", "sequence_parallel",
     "expert_tensor_parallel_size", "cross_entropy_chunk_size", "moe_apply_probs_on_output",
 })

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moe_core.moe.alltoall_layout import chunk_transpose_index, received_row_map, row_probs, token_rows
+from moe_core.moe.alltoall_layout import all_token_rows, chunk_transpose_index, received_row_map, row_probs, token_rows
 from moe_core.moe.moe_utils import build_row_map
 
 
@@ -93,6 +93,29 @@ def test_received_row_map_against_build_row_map(num_rows, num_local, num_slots):
     assert torch.equal(row_map.row_of_slot, expected.row_of_slot)
     assert torch.equal(values.take(value_index), values[expected.token_of_row, expert_of_row])
     assert torch.equal(counts, routing.sum(dim=0))
+
+
+def test_received_row_map_with_a_row_bound_pads_the_tail():
+    # A bound past the routed count (the sync-free dispatch): the same map, then unused rows with token -2 and
+    # value index 0; on CUDA the kernels give the same, bit for bit.
+    values = received_tails(300, 8, 8, seed=3)
+    num_routed = int((values > -math.inf).sum())
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for dev in devices:
+        exact_map, exact_index, exact_counts = received_row_map(values.to(dev), 8, num_routed)
+        row_map, value_index, counts = received_row_map(values.to(dev), 8, num_routed + 50)
+        assert torch.equal(row_map.token_of_row[:num_routed], exact_map.token_of_row)
+        assert row_map.token_of_row[num_routed:].tolist() == [-2] * 50
+        assert torch.equal(value_index[:num_routed], exact_index) and value_index[num_routed:].tolist() == [0] * 50
+        assert torch.equal(row_map.row_of_slot, exact_map.row_of_slot) and torch.equal(counts, exact_counts)
+
+
+@pytest.mark.parametrize("num_tokens,ep", [(0, 2), (5, 2), (3, 4)])
+def test_all_token_rows_send_every_token_to_every_rank(num_tokens, ep):
+    token_of_row, dest_of_row, row_of_slot = all_token_rows(num_tokens, ep, torch.device("cpu"))
+    assert token_of_row.tolist() == [t for _ in range(ep) for t in range(num_tokens)]
+    assert dest_of_row.tolist() == [r for r in range(ep) for _ in range(num_tokens)]
+    assert row_of_slot.tolist() == [[r * num_tokens + t for r in range(ep)] for t in range(num_tokens)]
 
 
 @pytest.mark.gpu

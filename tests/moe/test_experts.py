@@ -113,6 +113,32 @@ def test_padding_row_with_zero_prob_gives_exact_zero(on_output):
     assert out[0].abs().sum() > 0 and out[3].abs().sum() > 0
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("on_output", [False, True], ids=["probs-before-fc2", "probs-on-output"])
+def test_padding_rows_past_the_counts_sum(bias, on_output):
+    """Counts summing to less than R (the sync-free dispatch's static row bound): the rows past the sum are zeros
+    out, whatever they hold in (prob 0 there) and bias or not; every other output and gradient is the one of the
+    rows alone, for GroupedMLP and SequentialMLP."""
+    counts, num_padding = [3, 0, 5, 1], 7
+    routed = sum(counts)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(routed + num_padding, HIDDEN, generator=g, dtype=torch.float64)
+    probs = torch.rand(routed + num_padding, generator=g, dtype=torch.float64)
+    probs[routed:] = 0.0
+    grad_out = torch.randn(routed + num_padding, HIDDEN, generator=g, dtype=torch.float64)
+    for module in make_pair(len(counts), torch.float64, add_bias_linear=bias, moe_apply_probs_on_output=on_output):
+        out, dx, dp = run(module, x, counts, probs, grad_out)
+        grads = [p.grad.clone() for p in module.parameters()]
+        module.zero_grad()
+        out_rows, dx_rows, dp_rows = run(module, x[:routed], counts, probs[:routed], grad_out[:routed])
+        assert torch.equal(out[routed:], torch.zeros(num_padding, HIDDEN, dtype=torch.float64))
+        torch.testing.assert_close(out[:routed], out_rows, **TOL[torch.float64])
+        torch.testing.assert_close(dx[:routed], dx_rows, **TOL[torch.float64])
+        torch.testing.assert_close(dp[:routed], dp_rows, **TOL[torch.float64])
+        for got, want in zip(grads, (p.grad for p in module.parameters()), strict=True):
+            torch.testing.assert_close(got, want, **TOL[torch.float64])
+
+
 def test_grouped_parameters_and_init():
     config = make_config(hidden_size=64, moe_ffn_hidden_size=64, num_layers=8, activation_func="swiglu",
                          add_bias_linear=True, init_method_std=0.02)
@@ -138,8 +164,9 @@ def test_experts_reject_bad_inputs():
             module(x, torch.tensor([1.0, 2.0, 2.0]), probs)
         with pytest.raises(ValueError, match="permuted_probs"):
             module(x, torch.tensor([1, 2, 2]), probs[:4])
-    with pytest.raises(ValueError, match="tokens_per_expert"):
-        sequential(x, torch.tensor([1, 2, 1]), probs)
+    for module in (sequential, grouped):  # counts past R (the grouped GEMM checks CPU counts)
+        with pytest.raises(ValueError, match="tokens_per_expert"):
+            module(x, torch.tensor([1, 2, 3]), probs)
     with pytest.raises(ValueError, match="num_local_experts"):
         GroupedMLP(0, make_config())
     _, other = make_pair(2, torch.float32)

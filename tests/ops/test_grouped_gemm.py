@@ -174,6 +174,37 @@ def test_gradient_accumulation_fusion_needs_main_grad():
         grouped_gemm(torch.randn(2, K), torch.randn(1, K, N), torch.tensor([2]), gradient_accumulation_fusion=True)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("trans_weight", [False, True], ids=["kn", "nk"])
+def test_padding_rows_past_the_counts_sum(device, dtype, trans_weight):
+    # A static bound on the rows (the sync-free dispatch): counts sum to 11 of T = 300 rows. The padding rows hold
+    # NaN and are never read: y and dx are zeros there, and dweight equals the product over the 11 rows alone.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    torch.manual_seed(0)
+    counts = torch.tensor([4, 0, 7], device=device)
+    used, t = 11, 300
+    x = torch.randn(t, K, device=device, dtype=dtype)
+    x[used:] = float("nan")
+    x.requires_grad_()
+    w = torch.randn((3, N, K) if trans_weight else (3, K, N), device=device, dtype=dtype, requires_grad=True)
+    y = grouped_gemm(x, w, counts, trans_weight=trans_weight)
+    dy = torch.randn(t, N, device=device, dtype=dtype)
+    dy[used:] = float("nan")
+    y.backward(dy)
+    x_used, dy_used, w64 = x.detach()[:used].double(), dy[:used].double(), w.detach().double()
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y[:used].double(), grouped_gemm_ref(x_used, w64, counts.cpu(), trans_weight), **tol)
+    torch.testing.assert_close(x.grad[:used].double(),
+                               grouped_gemm_ref(dy_used, w64, counts.cpu(), not trans_weight), **tol)
+    torch.testing.assert_close(w.grad.double(), grouped_gemm_wgrad_ref(x_used, dy_used, counts.cpu(), trans_weight),
+                               **tol)
+    assert torch.equal(y[used:], torch.zeros_like(y[used:]))
+    assert torch.equal(x.grad[used:], torch.zeros_like(x.grad[used:]))
+    assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1]))
+
+
 BAD_INPUTS = [
     (lambda: (torch.randn(2, 3, 4), torch.randn(1, 4, 5), torch.tensor([2])), ValueError, "x"),
     (lambda: (torch.randn(2, 4), torch.randn(4, 5), torch.tensor([2])), ValueError, "weight"),
@@ -197,7 +228,7 @@ def test_bad_inputs_raise_named_errors(make, error, message):
 
 
 def test_cpp_boundary_checks_carry_messages():
-    with pytest.raises(RuntimeError, match="tokens_per_expert: counts sum to"):
+    with pytest.raises(RuntimeError, match="tokens_per_expert: counts sum past T = 2"):
         torch.ops.moe_core.grouped_gemm(torch.randn(2, 4), torch.randn(1, 4, 5), torch.tensor([3]), False)
     with pytest.raises(RuntimeError, match="x and dy"):
         torch.ops.moe_core.grouped_gemm_wgrad(torch.randn(2, 4), torch.randn(3, 5), torch.tensor([2]), False)

@@ -130,3 +130,20 @@ def test_scatter_writes_rows_that_are_all_padding(num_tokens):
     out = torch.full((37, 600), float("nan"), device="cuda")
     scatter_rows_into(torch.randn(num_tokens, 600, device="cuda"), row_of_slot, token_of_row, out)
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
+def test_scatter_leaves_unused_rows_alone():
+    # Unused rows (token -2, past the routed rows under a row bound) stay as they were; padding rows (-1) get zeros
+    # and routed rows their token: the negative control is the padding row next to the unused ones.
+    from moe_core.ops.triton.permute import scatter_rows_into
+
+    token_of_row, row_of_slot = with_padding(*random_maps(40, 4, 8, seed=1, device="cuda"), step=9)
+    token_of_row = torch.cat([token_of_row, torch.full((50,), -2, dtype=torch.int64, device="cuda")])
+    x = torch.randn(40, 600, device="cuda")
+    out = torch.full((token_of_row.shape[0], 600), float("nan"), device="cuda")
+    scatter_rows_into(x, row_of_slot, token_of_row, out)
+    used = token_of_row >= -1
+    assert torch.equal(out[used], gather_rows_ref(x, token_of_row[used], torch.float32))
+    assert out[~used].isnan().all()

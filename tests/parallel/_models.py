@@ -113,7 +113,8 @@ def forced_probs(logits: torch.Tensor, routing_map: torch.Tensor) -> torch.Tenso
 
 
 class ToyExperts(nn.Module):
-    """``y = (x @ weight[e]) * prob`` for each local expert e; runs every expert, empty ones included.
+    """``y = (x @ weight[e]) * prob`` for each local expert e; runs every expert, empty ones included. Rows past
+    the counts' sum (the sync-free dispatch's padding) give zeros.
 
     ``weight`` [L, H, H]. Stands in for GroupedMLP where the test is about the communication.
     """
@@ -123,8 +124,9 @@ class ToyExperts(nn.Module):
         self.weight = nn.Parameter(torch.randn(num_local_experts, hidden, hidden) * 0.3)
 
     def forward(self, x, tokens_per_expert, probs):
-        chunks = torch.split(x, tokens_per_expert.tolist())
-        out = torch.cat([c @ self.weight[e] for e, c in enumerate(chunks)])
+        counts = tokens_per_expert.tolist()
+        *chunks, padding = torch.split(x, counts + [x.shape[0] - sum(counts)])
+        out = torch.cat([c @ self.weight[e] for e, c in enumerate(chunks)] + [torch.zeros_like(padding)])
         return out * probs.unsqueeze(-1).to(out.dtype), None
 
 

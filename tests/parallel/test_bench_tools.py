@@ -43,7 +43,7 @@ def test_bench_dispatch_times_each_dispatcher_beside_the_replay_of_its_collectiv
     ranks = run_distributed(2, _dispatch_rows, timeout=120)
     assert ranks[0] == ranks[1]  # every figure is the slowest rank's
     rows = {(r["dispatcher"], r.get("pass")): r for r in ranks[0]}
-    names = ("allgather", "alltoall", "alltoall_expert_rows")
+    names = ("allgather", "alltoall", "alltoall_expert_rows", "allgather_sync_free", "alltoall_sync_free")
     assert sorted(rows, key=str) == sorted([(d, p) for d in names for p in ("forward", "backward")]
                                            + [("all_to_all_single", None)], key=str)
     for (_, phase), r in rows.items():

@@ -31,11 +31,11 @@ from tests.parallel._models import (
 
 
 def _layer_parity(scenario: str, dispatchers: list[str], ep: int, capacity: str | None = None,
-                  num_experts: int = NUM_EXPERTS) -> dict:
+                  num_experts: int = NUM_EXPERTS, sync_free: bool = False) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     pg = groups(ep, num_experts)
     sc = SCENARIOS[scenario]
-    cfg = make_config(num_experts, sc.topk, ep=ep, **CAPACITY[capacity])
+    cfg = make_config(num_experts, sc.topk, ep=ep, moe_dispatch_sync_free=sync_free, **CAPACITY[capacity])
     dev = device()
     torch.manual_seed(0)
     ref = ToyMoE(make_config(num_experts, sc.topk, **CAPACITY[capacity]), dispatcher=None).to(dev)
@@ -106,6 +106,25 @@ def test_one_local_expert(world, scenario, capacity):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", ["dirichlet", "recv_zero", "disjoint", "one_expert"])
+def test_sync_free_dispatch_matches_reference(world, scenario):
+    """moe_dispatch_sync_free: every token to every rank, expert rows sized for the worst case and padded past
+    tokens_per_expert's sum; the same results as the reference (and unused experts' gradients exactly 0)."""
+    stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=["alltoall", "allgather"], ep=world,
+                            sync_free=True)
+    print(f"world={world} {scenario} sync-free: {stats[0]}")
+
+
+@pytest.mark.parametrize("num_experts,capacity", [(2, None), (NUM_EXPERTS, "drop")])
+def test_sync_free_dispatch_one_local_expert_and_capacity(num_experts, capacity):
+    """E = EP sends token rows too when sync-free; with a capacity factor (no padding) the dropped routes shrink
+    the rows under the same bound."""
+    stats = run_distributed(2, _layer_parity, scenario="dirichlet", dispatchers=["alltoall", "allgather"], ep=2,
+                            capacity=capacity, num_experts=num_experts, sync_free=True)
+    print(f"E={num_experts} sync-free {capacity}: {stats[0]}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("capacity", ["drop", "pad"])
 @pytest.mark.parametrize("scenario", ["dirichlet", "recv_zero"])
 def test_dispatchers_with_capacity(world, capacity, scenario):
@@ -116,7 +135,7 @@ def test_dispatchers_with_capacity(world, capacity, scenario):
 
 
 def _collective_trace(scenario: str, dispatcher: str, capacity: str | None = None,
-                      num_experts: int = NUM_EXPERTS) -> tuple[list[str], int]:
+                      num_experts: int = NUM_EXPERTS, sync_free: bool = False) -> tuple[list[str], int]:
     """The sequence of collectives one rank issues in a forward + backward of the layer, and how many times the
     alltoall dispatcher waited for its counts on the host."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
@@ -141,7 +160,7 @@ def _collective_trace(scenario: str, dispatcher: str, capacity: str | None = Non
         for name in originals:
             setattr(dist, name, recorder(name))
         _CountsCopy.wait = counting_wait
-        config = make_config(num_experts, sc.topk, ep=world, **CAPACITY[capacity])
+        config = make_config(num_experts, sc.topk, ep=world, moe_dispatch_sync_free=sync_free, **CAPACITY[capacity])
         model = ToyMoE(config, pg, dispatcher, pg.ep_rank).to(dev)
         counts = token_counts(sc, GLOBAL_TOKENS, world)
         start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
@@ -192,6 +211,18 @@ def test_alltoall_sends_probs_inside_the_rows_and_syncs_once(capacity):
         assert sorted(trace) == sorted([count, rows, probs, rows, rows, rows, probs]) and waits == 1
 
 
+@pytest.mark.parametrize("num_experts", [NUM_EXPERTS, 2])
+def test_sync_free_alltoall_never_waits(num_experts):
+    """Sync-free: no count exchange and no host wait; one all-to-all of packed rows each way per dispatch and per
+    combine, one local expert included."""
+    hidden, num_local = 16, num_experts // 2
+    width = packed_width(hidden, num_local, torch.float32)
+    packed, rows = f"all_to_all_single{(width,)}:torch.float32", f"all_to_all_single{(hidden,)}:torch.float32"
+    for trace, waits in run_distributed(2, _collective_trace, scenario="dirichlet", dispatcher="alltoall",
+                                        num_experts=num_experts, sync_free=True):
+        assert trace == [packed, rows, rows, packed] and waits == 0
+
+
 def _bytes_sent(scenario: str, topk: int) -> int:
     """Rows this rank hands to the rows' all-to-all in one alltoall dispatch (self included)."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
@@ -212,12 +243,12 @@ def test_alltoall_sends_each_token_once_per_rank():
     assert run_distributed(2, _bytes_sent, scenario="balanced", topk=2) == [GLOBAL_TOKENS // 2] * 2
 
 
-def _sync_free_dispatch(capacity: str | None) -> bool:
+def _sync_free_dispatch(capacity: str | None, name: str = "alltoall", sync_free: bool = False) -> bool:
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     pg = groups(world, NUM_EXPERTS)
-    config = make_config(NUM_EXPERTS, 2, ep=world, **CAPACITY[capacity])
+    config = make_config(NUM_EXPERTS, 2, ep=world, moe_dispatch_sync_free=sync_free, **CAPACITY[capacity])
     num_local = NUM_EXPERTS // world
-    dispatcher = DISPATCHERS["alltoall"](num_local, list(range(rank * num_local, (rank + 1) * num_local)), config, pg)
+    dispatcher = DISPATCHERS[name](num_local, list(range(rank * num_local, (rank + 1) * num_local)), config, pg)
     tokens = GLOBAL_TOKENS // world
     routing = forced_routing(SCENARIOS["dirichlet"], GLOBAL_TOKENS, world, world, NUM_EXPERTS)[rank * tokens:][:tokens]
     probs = forced_probs(torch.randn(tokens, NUM_EXPERTS), routing)
@@ -246,6 +277,17 @@ def test_alltoall_has_no_implicit_host_sync(capacity):
     """Under torch.cuda.set_sync_debug_mode("error") (any synchronising CUDA call raises) the dispatcher's forward
     and backward run: its one wait for the counts is an event wait on a copy already queued."""
     assert all(run_distributed(2, _sync_free_dispatch, capacity=capacity))
+
+
+@pytest.mark.skipif(BACKEND != "nccl", reason="host syncs exist on CUDA only (MOE_CORE_TEST_BACKEND=nccl)")
+@pytest.mark.parametrize("name", ["alltoall", "allgather"])
+def test_sync_free_dispatch_has_no_host_sync(name):
+    """moe_dispatch_sync_free under torch.cuda.set_sync_debug_mode("error"): the allgather dispatcher's permute no
+    longer sizes its rows on the host (without the option it does: the negative control)."""
+    assert all(run_distributed(2, _sync_free_dispatch, capacity=None, name=name, sync_free=True))
+    if name == "allgather":
+        with pytest.raises(Exception, match="synchroniz"):
+            run_distributed(2, _sync_free_dispatch, capacity=None, name=name, sync_free=False)
 
 
 @pytest.mark.parametrize("name", ["alltoall", "allgather"])

@@ -41,14 +41,15 @@ def ep_state(full: dict[str, torch.Tensor], ep_rank: int, num_local: int) -> dic
     return {k: v[ep_rank * num_local:(ep_rank + 1) * num_local] if is_expert_name(k) else v for k, v in full.items()}
 
 
-def _layer(scenario: str, dispatcher: str, capacity: str | None, overlap: bool = False) -> dict:
+def _layer(scenario: str, dispatcher: str, capacity: str | None, overlap: bool = False, sync_free: bool = False
+           ) -> dict:
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     pg = groups(world, NUM_EXPERTS)
     sc = SCENARIOS[scenario]
     torch.manual_seed(0)
     ref = MoELayer(layer_config(sc.topk, dispatcher, **CAPACITY[capacity])).to(dev)
     model = MoELayer(layer_config(sc.topk, dispatcher, ep=world, moe_shared_expert_overlap=overlap,
-                                  **CAPACITY[capacity]), pg).to(dev)
+                                  moe_dispatch_sync_free=sync_free, **CAPACITY[capacity]), pg).to(dev)
     assert model.shared_experts.overlap == overlap
     side_stream_calls = []
     on_side_stream = model.shared_experts._start_on_side_stream
@@ -103,6 +104,14 @@ def test_moe_layer_matches_single_process(world, dispatcher, scenario):
         pytest.skip("AllGather needs the same token count on every EP rank")
     stats = run_distributed(world, _layer, scenario=scenario, dispatcher=dispatcher, capacity=None)
     print(f"world={world} {dispatcher} {scenario}: {stats[0]}")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_moe_layer_sync_free(dispatcher):
+    """moe_dispatch_sync_free with biases and a shared expert: the padding rows past tokens_per_expert's sum get no
+    bias and leave every gradient as the single-process layer's."""
+    stats = run_distributed(2, _layer, scenario="dirichlet", dispatcher=dispatcher, capacity=None, sync_free=True)
+    print(f"world=2 {dispatcher} dirichlet sync-free: {stats[0]}")
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

@@ -28,8 +28,8 @@ def _scatter_rows_kernel(src_ptr, slot_ptr, token_ptr, dst_ptr, T, R, H, src_str
                          K: tl.constexpr, COL_BLOCKS: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
                          ZERO_ROWS: tl.constexpr):
     # Programs below scatter_programs: dst[slot[t, k]] = src[t] for the slots >= 0, each source row read once
-    # (a gather walks the source once per expert). The others: zeros into the padding rows (token < 0), which
-    # no slot lists.
+    # (a gather walks the source once per expert). The others: zeros into the padding rows (token -1), which
+    # no slot lists; unused rows (token -2) stay as they are.
     pid = tl.program_id(0)
     if pid < scatter_programs:
         tokens = (pid // COL_BLOCKS) * ROWS + tl.arange(0, ROWS)
@@ -45,7 +45,7 @@ def _scatter_rows_kernel(src_ptr, slot_ptr, token_ptr, dst_ptr, T, R, H, src_str
                      mask=(rows >= 0)[:, None] & col_mask[None, :])
     else:
         pad_rows = (pid - scatter_programs) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
-        padding = tl.load(token_ptr + pad_rows, mask=pad_rows < R, other=0) < 0
+        padding = tl.load(token_ptr + pad_rows, mask=pad_rows < R, other=0) == -1
         zeros = tl.zeros((ZERO_ROWS, BLOCK_H), dtype=dst_ptr.dtype.element_ty)
         for start in range(0, H, BLOCK_H):
             pad_cols = start + tl.arange(0, BLOCK_H)
@@ -80,8 +80,9 @@ def _check_rows(src: torch.Tensor, out: torch.Tensor) -> None:
 def scatter_rows_into(src: torch.Tensor, slot_index: torch.Tensor, row_index: torch.Tensor,
                       out: torch.Tensor) -> torch.Tensor:
     """Write ``src[t]`` into the rows ``slot_index[t, k] >= 0`` of ``out`` [R, H] and zeros into the rows with
-    ``row_index[r] < 0``, cast to out's dtype: ``out[r] = src[row_index[r]]`` for inverse maps (every row of out
-    padding or listed by exactly one slot, of its token ``row_index[r]``), reading each source row once.
+    ``row_index[r] == -1`` (padding; -2, an unused row, is left as it is), cast to out's dtype: ``out[r] =
+    src[row_index[r]]`` for inverse maps (every row of out padding or listed by exactly one slot, of its token
+    ``row_index[r]``), reading each source row once.
 
     ``src`` [T, H] and ``out`` [R, H] may be column slices of wider buffers (any row stride, contiguous columns);
     ``slot_index`` [T, K] and ``row_index`` [R] int64 contiguous. Returns ``out``."""

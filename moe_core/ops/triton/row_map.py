@@ -73,14 +73,15 @@ def received_row_map(values: torch.Tensor, num_slots: int, num_rows: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(token_of_row [R], value_index [R], row_of_slot [N, K], tokens_per_expert [L])``, int64, of the rows routed
     in ``values`` [N, L] float32 (any row stride, contiguous columns; -inf where not routed). ``value_index[r] =
-    n * L + e``. ``num_rows``: R, their count (a host int); ``num_slots``: K, at least any row's experts."""
+    n * L + e``. ``num_rows``: R, their count or a bound on it (a host int; the rows past the count are unused
+    rows: token -2, value index 0); ``num_slots``: K, at least any row's experts."""
     n, num_local = values.shape
     device = values.device
     block_l = triton.next_power_of_2(max(num_local, 1))
     block_n = max(16, _TILE // block_l)
     blocks = triton.cdiv(n, block_n)
-    token_of_row = torch.empty(num_rows, dtype=torch.int64, device=device)
-    value_index = torch.empty(num_rows, dtype=torch.int64, device=device)
+    token_of_row = torch.full((num_rows,), -2, dtype=torch.int64, device=device)
+    value_index = torch.zeros(num_rows, dtype=torch.int64, device=device)
     row_of_slot = torch.empty(n, num_slots, dtype=torch.int64, device=device)
     tokens_per_expert = torch.empty(num_local, dtype=torch.int64, device=device)
     if n == 0 or num_local == 0:
