@@ -99,9 +99,10 @@ def received_row_map(values_NL: torch.Tensor, num_slots: int, num_rows: int
         ``(row_map, value_index [R], tokens_per_expert [L])``: ``moe_utils.build_row_map``'s map of ``values_NL >
         -inf`` (expert-major, row order inside an expert), the flat position ``n * L + e`` of each expert row's
         value (its prob: ``values_NL.take(value_index)``), and the rows per local expert; int64 on values' device.
-        On CUDA three Triton kernels (``ops/triton/row_map.py``) build it, the same maps bit for bit.
+        On CUDA three Triton kernels (``ops/triton/row_map.py``) build it, the same maps bit for bit; under
+        torch.compile the PyTorch ops below, which Inductor fuses.
     """
-    if values_NL.is_cuda and triton_available():
+    if values_NL.is_cuda and triton_available() and not torch.compiler.is_compiling():
         from moe_core.ops.triton.row_map import received_row_map as triton_row_map
 
         token_of_row, value_index, row_of_slot, tokens_per_expert = triton_row_map(values_NL, num_slots, num_rows)

@@ -39,7 +39,8 @@ With L = 1 rows arrive sorted: rows and probs travel unpacked in two all-to-alls
 
 Under torch.compile the EP exchange (dispatch and combine at ep > 1) runs eagerly: its split sizes are host data
 from the count exchange, which a traced graph would have to take as symbolic sizes (some torch releases fail to
-trace them). The expert compute around it compiles.
+trace them). The expert compute around it compiles. The sync-free token rows have static shapes and trace whole:
+the layer is one graph, its all-to-alls functional collectives.
 
 Every rank issues the same collectives in the same order whatever the routing, a rank sending or receiving nothing
 included: the count exchange (not with drop_and_pad or sync-free), the rows' all-to-all (plus the probs' with L =
@@ -149,9 +150,10 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         """
         if self.ep_size == 1:
             return unpermute(expert_output, meta.row_map)
-        return self._combine_ep(expert_output, meta)
+        if self.config.moe_dispatch_sync_free and meta.received_map is not None:
+            return self._combine_ep(expert_output, meta)
+        return self._combine_ep_eager(expert_output, meta)
 
-    @torch.compiler.disable
     def _combine_ep(self, expert_output: torch.Tensor, meta: AlltoAllDispatchMeta) -> torch.Tensor:
         out = expert_output  # [R, H], then [N or R, H] to send, then [N_s or R_s, H] back on this rank
         if meta.received_map is not None:
@@ -161,36 +163,43 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         out = all_to_all(out, meta.input_splits, meta.output_splits, self.ep_group)
         return unpermute(out, meta.row_map)
 
+    # Split sizes from a host sync: traced, they would be constants of the graph, so the exchange stays eager.
+    _combine_ep_eager = torch.compiler.disable(_combine_ep)
+
     def _permute_kwargs(self, num_tokens: int, probs: torch.Tensor) -> dict:
         return dict(probs=probs, num_out_tokens=self.num_out_tokens(num_tokens), drop_and_pad=self.drop_and_pad,
                     num_slots=None if self.drop_and_pad else self.topk)
 
-    @torch.compiler.disable
     def _dispatch_token_rows(self, hidden, probs, routing_map):
-        num_tokens, hidden_size = hidden.shape
-        ep, num_local, topk = self.ep_size, self.num_local_experts, self.topk
-        check_num_slots(routing_map, topk)
-        sync_free = self.config.moe_dispatch_sync_free
-        if sync_free:
-            token_of_row, dest_of_row, row_of_slot = all_token_rows(num_tokens, ep, hidden.device)
-            values = row_probs(routing_map, probs, token_of_row, dest_of_row, ep)  # [N_s, L]
-            input_splits = output_splits = [num_tokens] * ep
-            num_expert_rows = ep * num_tokens * min(topk, num_local)  # the bound: every token on its K experts
-        else:
-            token_of_row, row_of_slot, values, input_splits, output_splits, num_expert_rows = \
-                self._exchange_token_rows(routing_map, probs)
+        check_num_slots(routing_map, self.topk)
+        if not self.config.moe_dispatch_sync_free:
+            return self._dispatch_token_rows_eager(hidden, probs, routing_map)
+        # Static shapes, so torch.compile traces this (the all-to-alls as functional collectives).
+        num_tokens, ep = hidden.shape[0], self.ep_size
+        token_of_row, dest_of_row, row_of_slot = all_token_rows(num_tokens, ep, hidden.device)
+        values = row_probs(routing_map, probs, token_of_row, dest_of_row, ep)  # [ep * T, L]
+        splits = [num_tokens] * ep
+        bound = ep * num_tokens * min(self.topk, self.num_local_experts)  # every token on its K experts
+        return self._send_token_rows(hidden, token_of_row, row_of_slot, values, splits, splits, bound)
 
+    @torch.compiler.disable
+    def _dispatch_token_rows_eager(self, hidden, probs, routing_map):
+        return self._send_token_rows(hidden, *self._exchange_token_rows(routing_map, probs))
+
+    def _send_token_rows(self, hidden, token_of_row, row_of_slot, values, input_splits, output_splits,
+                         num_expert_rows):
+        """Pack the token rows with their tails, exchange them, expand them by local expert: dispatch's result."""
+        hidden_size, num_local = hidden.shape[1], self.num_local_experts
         sent_map = RowMap(token_of_row, row_of_slot)
         packed = pack_rows(hidden, values, token_of_row.unsqueeze(1), row_of_slot, compute_dtype(hidden))
         received = all_to_all(packed, output_splits, input_splits, self.ep_group)  # [N, W]
 
         received_map, value_index, tokens_per_expert = received_row_map(
-            packed_values(received, hidden_size, num_local), topk, num_expert_rows)
+            packed_values(received, hidden_size, num_local), self.topk, num_expert_rows)
         rows_RH, probs_NL = unpack_rows(received, received_map.token_of_row.unsqueeze(1), received_map.row_of_slot,
                                         hidden_size, num_local)
-        probs_R = probs_NL.take(value_index)
-        if sync_free:  # the padding rows' value index 0 reads any tail value, -inf included
-            probs_R = torch.where(received_map.token_of_row >= 0, probs_R, 0.0)
+        # Unused rows (sync-free) have value index 0, which may read -inf.
+        probs_R = torch.where(received_map.token_of_row >= 0, probs_NL.take(value_index), 0.0)
         meta = AlltoAllDispatchMeta(sent_map, tuple(input_splits), tuple(output_splits), received_map=received_map)
         return rows_RH, tokens_per_expert, probs_R, meta
 

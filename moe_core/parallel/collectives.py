@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from moe_core.parallel.collective_errors import named_collective
 
@@ -64,6 +65,8 @@ def all_to_all(
         all-to-all).
     Raises:
         ValueError: split lengths differ from the group size or ``input_splits`` does not sum to ``x.shape[0]``.
+
+    Under torch.compile the splits become constants of the graph (static ones only: the sync-free dispatch).
     """
     size = group_size(group)
     output_splits, input_splits = [int(s) for s in output_splits], [int(s) for s in input_splits]
@@ -75,6 +78,8 @@ def all_to_all(
         raise ValueError(f"all_to_all: input_splits sum to {sum(input_splits)} but x has {x.shape[0]} rows")
     if size == 1:
         return x
+    if torch.compiler.is_compiling():  # static splits, traced: the functional collective and its autograd
+        return funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 

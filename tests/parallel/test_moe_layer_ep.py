@@ -11,7 +11,7 @@ import torch.distributed as dist
 from moe_core.config import TransformerConfig
 from moe_core.moe.moe_layer import MoELayer
 from tests.parallel._common import all_reduce_sum, compare, groups
-from tests.parallel._launch import device, run_distributed
+from tests.parallel._launch import RankFailure, device, run_distributed
 from tests.parallel._models import (
     CAPACITY,
     GLOBAL_TOKENS,
@@ -41,8 +41,8 @@ def ep_state(full: dict[str, torch.Tensor], ep_rank: int, num_local: int) -> dic
     return {k: v[ep_rank * num_local:(ep_rank + 1) * num_local] if is_expert_name(k) else v for k, v in full.items()}
 
 
-def _layer(scenario: str, dispatcher: str, capacity: str | None, overlap: bool = False, sync_free: bool = False
-           ) -> dict:
+def _layer(scenario: str, dispatcher: str, capacity: str | None, overlap: bool = False, sync_free: bool = False,
+           compiled: bool = False) -> dict:
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     pg = groups(world, NUM_EXPERTS)
     sc = SCENARIOS[scenario]
@@ -63,7 +63,7 @@ def _layer(scenario: str, dispatcher: str, capacity: str | None, overlap: bool =
 
     x = x_all[start:stop].clone().requires_grad_()
     force_routing(model, routing[start:stop])
-    out = model(x.unsqueeze(0))
+    out = (torch.compile(model, fullgraph=True) if compiled else model)(x.unsqueeze(0))
     out.pow(2).sum().backward()
 
     # Capacity is per rank (each rank drops among its own tokens): the reference runs rank by rank then.
@@ -112,6 +112,18 @@ def test_moe_layer_sync_free(dispatcher):
     bias and leave every gradient as the single-process layer's."""
     stats = run_distributed(2, _layer, scenario="dirichlet", dispatcher=dispatcher, capacity=None, sync_free=True)
     print(f"world=2 {dispatcher} dirichlet sync-free: {stats[0]}")
+
+
+def test_sync_free_alltoall_layer_compiles_whole():
+    """The sync-free all-to-all exchange traces: torch.compile(fullgraph=True) of the layer (its all-to-alls
+    functional collectives, no graph break) equals the single-process layer, gradients included."""
+    stats = run_distributed(2, _layer, timeout=300, scenario="dirichlet", dispatcher="alltoall", capacity=None,
+                            sync_free=True, compiled=True)
+    print(f"world=2 alltoall dirichlet sync-free compiled: {stats[0]}")
+    # Negative control: the exchange with a host sync stays eager, a graph break that fullgraph refuses.
+    with pytest.raises(RankFailure, match="Skip inlining"):
+        run_distributed(2, _layer, timeout=300, scenario="dirichlet", dispatcher="alltoall", capacity=None,
+                        compiled=True)
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

@@ -25,8 +25,9 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def _configs(ep: int, output_dir: str, fsdp2: bool, tp: int = 1, dp: int | None = None,
-             dispatcher: str = "alltoall", **training) -> tuple[TransformerConfig, TrainingConfig]:
-    model = TransformerConfig(moe_token_dispatcher_type=dispatcher,
+             dispatcher: str = "alltoall", moe_dispatch_sync_free: bool = False,
+             **training) -> tuple[TransformerConfig, TrainingConfig]:
+    model = TransformerConfig(moe_token_dispatcher_type=dispatcher, moe_dispatch_sync_free=moe_dispatch_sync_free,
         num_layers=2, hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=256, seq_length=32,
         num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.0,
         expert_model_parallel_size=ep, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
@@ -62,14 +63,15 @@ def test_pretrain_ep2_follows_single_process(tmp_path, fsdp2):
     print(f"single {single.train_losses} / ep2 {got['train']}; valid end {single.end_valid_loss} / {got['end']}")
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_compiled_ep2_follows_single_process(tmp_path, dispatcher):
+@pytest.mark.parametrize("dispatcher,sync_free", [("alltoall", False), ("allgather", False), ("alltoall", True)])
+def test_compiled_ep2_follows_single_process(tmp_path, dispatcher, sync_free):
     """Each layer compiled under EP = 2: the exchange runs eagerly between compiled pieces (a traced exchange
-    failed, or hung, on some torch releases) and training follows the eager single-process run."""
+    with host split sizes failed, or hung, on some torch releases), or, sync-free, traces into the layer's graph;
+    training follows the eager single-process run."""
     model_cfg, train_cfg = _configs(1, str(tmp_path / "single"), False)
     single = pretrain(model_cfg, train_cfg, log=lambda *_: None)
     ranks = run_distributed(2, _pretrain, timeout=240, ep=2, output_dir=str(tmp_path / "ep2"), fsdp2=False,
-                            dispatcher=dispatcher, compile=True)
+                            dispatcher=dispatcher, compile=True, moe_dispatch_sync_free=sync_free)
     torch.testing.assert_close(torch.tensor(ranks[0]["train"]), torch.tensor(single.train_losses), rtol=1e-4, atol=0)
     torch.testing.assert_close(ranks[0]["end"], single.end_valid_loss, rtol=1e-4, atol=0)
 
