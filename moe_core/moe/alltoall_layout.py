@@ -102,7 +102,7 @@ def received_row_map(values_NL: torch.Tensor, num_slots: int, num_rows: int
         On CUDA three Triton kernels (``ops/triton/row_map.py``) build it, the same maps bit for bit; under
         torch.compile the PyTorch ops below, which Inductor fuses.
     """
-    if values_NL.is_cuda and triton_available() and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and values_NL.is_cuda and triton_available():
         from moe_core.ops.triton.row_map import received_row_map as triton_row_map
 
         token_of_row, value_index, row_of_slot, tokens_per_expert = triton_row_map(values_NL, num_slots, num_rows)
