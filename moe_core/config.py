@@ -93,9 +93,10 @@ class TransformerConfig:
     """One of DISPATCHER_TYPES."""
     moe_dispatch_sync_free: bool = False
     """EP dispatch without a host sync: every token travels to every EP rank and the expert rows are sized for
-    the worst case (each token on all its local experts), padded past ``tokens_per_expert``'s sum. Static shapes
-    for a data-dependent routing, at the cost of memory; worth it at small EP, where almost every token reaches
-    every rank anyway. moe_core's name; DeepEP's low-latency mode makes the same trade."""
+    the worst case (each token on all its local experts), the rows past ``tokens_per_expert``'s sum unused.
+    Static shapes for a data-dependent routing (the all-to-all exchange then compiles into the layer's graph), at
+    the cost of memory; worth it at small EP, where almost every token reaches every rank anyway. Every EP rank
+    must pass the same number of tokens. moe_core's name; DeepEP's low-latency mode makes the same trade."""
 
     # --- router ---
     moe_router_score_function: str = "softmax"

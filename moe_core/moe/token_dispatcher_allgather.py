@@ -11,7 +11,7 @@ Row order inside an expert is (source rank, token index), the same as ``MoEAllto
 both feed the experts identical inputs. Three all-gathers in dispatch and one reduce-scatter in combine on
 every rank (mirrors in backward); tokens_per_expert stays on the device, so the dispatcher itself needs no
 host sync. ``permute`` needs one to size its output, unless ``moe_dispatch_sync_free`` sizes it for the worst case,
-G * min(K, L) rows, the rows past ``tokens_per_expert``'s sum padding (zeros, prob 0; the grouped GEMM skips
+G * min(K, L) rows, the rows past ``tokens_per_expert``'s sum unused (prob 0; the grouped GEMM never reads
 them). Under torch.compile both run eagerly, as the all-to-all dispatcher's EP exchange does (its module docstring
 says why): the expert compute around them compiles.
 """

@@ -24,8 +24,9 @@ combine:   sum each received token's expert rows           -> [N, H]            
 
 Sync-free token rows (``moe_dispatch_sync_free``): every token travels to every EP rank (equal split sizes, T per
 peer, so no count exchange and no host sync), its tail -inf for the experts it does not reach there; the receiver's
-expert rows are sized for the worst case, N * min(K, L), the rows past ``tokens_per_expert``'s sum padding (zeros,
-prob 0; the grouped GEMM skips them). Every EP rank must pass the same T.
+expert rows are sized for the worst case, N * min(K, L), the rows past ``tokens_per_expert``'s sum unused (token
+-2 in the row map, left unwritten on CUDA, prob 0; the grouped GEMM never reads them). Every EP rank must pass the
+same T.
 
 Expert rows (drop_and_pad, whose static shapes need a row per (token, expert) and capacity slot; and L = 1, where
 both layouts coincide): Megatron's layout.

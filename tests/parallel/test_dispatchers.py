@@ -174,17 +174,19 @@ def _collective_trace(scenario: str, dispatcher: str, capacity: str | None = Non
     return trace, len(waits)
 
 
-@pytest.mark.parametrize("dispatcher,scenarios", [
-    ("alltoall", ["recv_zero", "send_zero", "one_expert", "disjoint"]),
-    ("alltoall_expert_rows", ["recv_zero", "send_zero", "disjoint"]),
-    ("allgather", ["recv_zero", "one_expert", "disjoint"]),
+@pytest.mark.parametrize("dispatcher,scenarios,sync_free", [
+    ("alltoall", ["recv_zero", "send_zero", "one_expert", "disjoint"], False),
+    ("alltoall_expert_rows", ["recv_zero", "send_zero", "disjoint"], False),
+    ("allgather", ["recv_zero", "one_expert", "disjoint"], False),
+    ("alltoall", ["recv_zero", "one_expert", "disjoint"], True),
+    ("allgather", ["recv_zero", "disjoint"], True),
 ])
-def test_same_collectives_on_every_rank(dispatcher, scenarios):
+def test_same_collectives_on_every_rank(dispatcher, scenarios, sync_free):
     """Whatever the routing (a rank sending or receiving nothing included), every rank issues the same
     collectives in the same order, forward and backward, so none can wait on a peer that skipped one."""
     for scenario in scenarios:
         traces = [trace for trace, _ in run_distributed(4, _collective_trace, scenario=scenario,
-                                                        dispatcher=dispatcher)]
+                                                        dispatcher=dispatcher, sync_free=sync_free)]
         assert traces[0], "no collective recorded"
         for rank, trace in enumerate(traces):
             assert trace == traces[0], f"{scenario}: rank {rank} issued {trace}, rank 0 issued {traces[0]}"
