@@ -10,10 +10,12 @@ NCCL floor of the same bytes.
 Dispatchers: ``alltoall`` (its default layout: token rows, a token once per EP rank), ``alltoall_expert_rows`` (the
 same dispatcher forced to one row per (token, expert), Megatron's layout, which it keeps for drop_and_pad),
 ``allgather``; ``alltoall_sync_free`` and ``allgather_sync_free``, the two with ``moe_dispatch_sync_free`` (every
-token to every rank, expert rows sized for the worst case, no host sync). Experts: ``identity`` (default), the
-dispatched rows go straight to combine and the probs get a gradient of ones, so only the dispatcher is timed (its
-gathers, the count exchange and its host sync, the collectives); ``scale``, ``y = x * prob`` per row, one more pass
-over the rows each way. Uniform random top-k routing, bf16 rows (or --dtype).
+token to every rank, expert rows sized for the worst case, no host sync); ``alltoall_sync_free_compiled``, the
+sync-free all-to-all with dispatch, expert and combine compiled whole (``torch.compile(fullgraph=True)``, the
+all-to-alls functional collectives, as in a compiled layer; warm-up includes the compilation). Experts: ``identity``
+(default), the dispatched rows go straight to combine and the probs get a gradient of ones, so only the dispatcher
+is timed (its gathers, the count exchange and its host sync, the collectives); ``scale``, ``y = x * prob`` per row,
+one more pass over the rows each way. Uniform random top-k routing, bf16 rows (or --dtype).
 
 Floor: the collectives one step of the dispatcher issues, recorded (shapes, dtypes, split sizes) and replayed alone
 on preallocated buffers, forward's and backward's separately: what NCCL needs to move those bytes, with no compute.
@@ -56,8 +58,13 @@ class _ExpertRows(EP_DISPATCHERS["alltoall"]):
     token_rows = False
 
 
-DISPATCHERS = {**EP_DISPATCHERS, "alltoall_expert_rows": _ExpertRows,
-               **{f"{name}_sync_free": cls for name, cls in EP_DISPATCHERS.items()}}
+# name: (dispatcher class, moe_dispatch_sync_free, forward compiled whole)
+DISPATCHERS = {
+    **{name: (cls, False, False) for name, cls in EP_DISPATCHERS.items()},
+    "alltoall_expert_rows": (_ExpertRows, False, False),
+    **{f"{name}_sync_free": (cls, True, False) for name, cls in EP_DISPATCHERS.items()},
+    "alltoall_sync_free_compiled": (EP_DISPATCHERS["alltoall"], True, True),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,14 +96,24 @@ def routing(args, device: torch.device, rank: int):
     return hidden, probs, routing_map
 
 
-def step_phases(dispatcher, hidden, probs, routing_map, expert: str):
-    """A generator running one forward (dispatch, expert, combine) then one backward, yielding each phase's name."""
+def exchange(dispatcher, expert: str):
+    """``forward(hidden, probs, routing_map) -> (combined [T, H], permuted_probs [R])``: dispatch, the expert,
+    combine."""
+    def forward(x, p, routing_map):
+        rows, _, row_probs, meta = dispatcher.dispatch(x, p, routing_map)
+        out = dispatcher.combine(rows * row_probs.unsqueeze(-1).to(rows.dtype) if expert == "scale" else rows, meta)
+        return out, row_probs
+
+    return forward
+
+
+def step_phases(forward, hidden, probs, routing_map, expert: str):
+    """A generator running one ``forward`` (``exchange``'s) then one backward, yielding each phase's name."""
     nvtx = torch.cuda.nvtx if hidden.is_cuda else None
     x = hidden.detach().requires_grad_()
     p = probs.detach().requires_grad_()
     _push(nvtx, "forward")
-    rows, _, row_probs, meta = dispatcher.dispatch(x, p, routing_map)
-    out = dispatcher.combine(rows * row_probs.unsqueeze(-1).to(rows.dtype) if expert == "scale" else rows, meta)
+    out, row_probs = forward(x, p, routing_map)
     _pop(nvtx)
     yield "forward"
     _push(nvtx, "backward")
@@ -120,19 +137,21 @@ def _pop(nvtx) -> None:
 
 def bench_dispatcher(name: str, args, pg: ProcessGroupCollection, device: torch.device) -> list[dict]:
     """Rows for one dispatcher: its forward and backward beside the replay of their collectives."""
+    cls, sync_free, compiled = DISPATCHERS[name]
     config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
                                num_moe_experts=args.num_experts, moe_router_topk=args.topk,
-                               expert_model_parallel_size=pg.ep_size,
-                               moe_dispatch_sync_free=name.endswith("_sync_free"))
+                               expert_model_parallel_size=pg.ep_size, moe_dispatch_sync_free=sync_free)
     local = pg.local_expert_indices(args.num_experts)
-    dispatcher = DISPATCHERS[name](len(local), local, config, pg)
+    eager = exchange(cls(len(local), local, config, pg), args.expert)
+    timed = torch.compile(eager, fullgraph=True) if compiled else eager
     hidden, probs, routing_map = routing(args, device, dist.get_rank())
 
-    def phases():
-        return step_phases(dispatcher, hidden, probs, routing_map, args.expert)
+    def phases(forward=timed):
+        return step_phases(forward, hidden, probs, routing_map, args.expert)
 
+    # The eager pass records the collectives (a compiled one issues functional collectives, which skip dist.*).
     calls: dict[str, list] = {"forward": [], "backward": []}
-    gen = phases()
+    gen = phases(eager)
     for phase in ("forward", "backward"):
         with recording(calls[phase]):
             next(gen)
