@@ -12,7 +12,7 @@ namespace moe_core {
 namespace {
 
 // Row offsets [E + 1] of each expert's block; checks the counts' values (the CPU path may read them): non-negative,
-// summing to at most T. Rows past the sum are padding: forward writes zeros there and wgrad ignores them.
+// summing to at most T. Rows past the sum are unused: forward leaves them unwritten and wgrad ignores them.
 std::vector<int64_t> row_offsets(const at::Tensor& tokens_per_expert, int64_t num_rows) {
   auto counts = tokens_per_expert.to(at::kCPU, at::kLong).contiguous();
   const int64_t* c = counts.data_ptr<int64_t>();
@@ -65,7 +65,6 @@ at::Tensor grouped_gemm_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const auto wc = weight.contiguous();
   auto out = at::empty({x.size(0), n}, x.options());
   if (k == 0) return out.zero_();
-  out.narrow(0, offsets.back(), x.size(0) - offsets.back()).zero_();
   for_each_expert(weight.size(0), x.size(0), [&](int64_t e) {
     const int64_t rows = offsets[e + 1] - offsets[e];
     if (rows == 0) return;

@@ -44,9 +44,9 @@ at::Tensor counts_on(const at::Tensor& tokens_per_expert, const at::Device& devi
   return tokens_per_expert.to(device, /*non_blocking=*/true).contiguous();
 }
 
-// Row offsets [E + 1] then forward tile offsets [E + 2], computed on the device.
+// Row offsets [E + 1] then forward tile offsets [E + 1], computed on the device.
 at::Tensor device_offsets(const at::Tensor& counts, int64_t num_rows, int64_t tile_rows, cudaStream_t stream) {
-  auto workspace = at::empty({2 * counts.numel() + 3}, counts.options().dtype(at::kLong));
+  auto workspace = at::empty({2 * counts.numel() + 2}, counts.options().dtype(at::kLong));
   cuda::launch_row_offsets(counts, workspace, num_rows, tile_rows, stream);
   return workspace;
 }

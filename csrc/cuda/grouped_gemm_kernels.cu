@@ -5,7 +5,7 @@
 // fp32/fp64: 64x64x16 CTA tiles on FFMA/DFMA (4x4 outputs per thread), so fp32 keeps fp32 accuracy (no TF32).
 // Loads are guarded element-wise at every edge (any K, N, row count); 16-byte vector loads are used where the
 // host proved them aligned. Forward grid: one CTA per (row tile, column tile) with row tiles numbered across
-// experts (ceil(T / BM) + E + 1 is an upper bound, surplus CTAs exit), rasterized in groups of row tiles;
+// experts (ceil(T / BM) + E is an upper bound, surplus CTAs exit), rasterized in groups of row tiles;
 // wgrad grid: (tile of dw[e], e), rasterized the same way.
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
@@ -59,11 +59,6 @@ __global__ void __launch_bounds__(kThreads) row_offsets_kernel(const CountT* cou
       carry_tiles += tiles_total;
     }
     __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    // Rows past the counts' sum form one last group that is written as zeros, so every row of y is written.
-    const int64_t covered = min(carry_rows, num_rows);
-    tile_offsets[num_experts + 1] = carry_tiles + (num_rows - covered + tile_rows - 1) / tile_rows;
   }
 }
 
@@ -156,20 +151,20 @@ __device__ __forceinline__ Tile<T> locate_tile(const GroupedGemmArgs& p) {
     const auto [tile, n_tile] = raster(blockIdx.x, p.row_tile_bound, (p.n + BN - 1) / BN);
     const int64_t n0 = n_tile * BN;
     const int64_t* tiles = p.tile_offsets;
-    t.active = tile < tiles[p.num_experts + 1];
+    // Tiles cover the experts' rows only: y's rows past the counts' sum stay unwritten.
+    t.active = tile < tiles[p.num_experts];
     if (!t.active) return t;
-    // The group owning this row tile: the last g in [0, E] with tiles[g] <= tile (group E: rows past the sum).
-    int64_t lo = 0, hi = p.num_experts;
+    // The expert owning this row tile: the last g in [0, E) with tiles[g] <= tile.
+    int64_t lo = 0, hi = p.num_experts - 1;
     while (lo < hi) {
       const int64_t mid = (lo + hi + 1) / 2;
       if (tiles[mid] <= tile) lo = mid; else hi = mid - 1;
     }
     const int64_t g = lo;
     const int64_t m0 = p.row_offsets[g] + (tile - tiles[g]) * BM;
-    const int64_t group_end = g < p.num_experts ? p.row_offsets[g + 1] : p.m;
-    t.m_lim = min(static_cast<int64_t>(BM), group_end - m0);
+    t.m_lim = min(static_cast<int64_t>(BM), p.row_offsets[g + 1] - m0);
     t.n_lim = min(static_cast<int64_t>(BN), p.n - n0);
-    t.k_len = g < p.num_experts ? p.k : 0;
+    t.k_len = p.k;
     t.a = a + m0 * p.lda;
     const T* w = b + (g < p.num_experts ? g * p.b_expert_stride : 0);
     t.b = B_ROW ? w + n0 : w + n0 * p.ldb;
@@ -410,9 +405,9 @@ template <typename T>
 void launch_kind(GemmKind kind, const GroupedGemmArgs& p, cudaStream_t stream) {
   const int64_t bm = kTileM<T>, bn = kTileN<T>;
   if (kind == GemmKind::kForward) {
-    // Upper bound on row tiles over all groups: each of the E + 1 groups wastes at most one partial tile.
+    // Upper bound on row tiles over all experts: each wastes at most one partial tile.
     GroupedGemmArgs args = p;
-    args.row_tile_bound = ceil_div(p.m, bm) + p.num_experts + 1;
+    args.row_tile_bound = ceil_div(p.m, bm) + p.num_experts;
     const int64_t ctas = args.row_tile_bound * ceil_div(p.n, bn);
     TORCH_CHECK(ctas < (int64_t{1} << 31), "grouped_gemm: problem too large for one grid");
     const dim3 grid(static_cast<unsigned>(ctas));

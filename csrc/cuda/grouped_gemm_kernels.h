@@ -30,7 +30,7 @@ struct GroupedGemmArgs {
   int64_t num_experts = 0;
   int64_t row_tile_bound = 0;  // forward: row tiles launched (set by the launcher)
   const int64_t* row_offsets = nullptr;   // [E + 1] on the device
-  const int64_t* tile_offsets = nullptr;  // [E + 2] on the device, forward only
+  const int64_t* tile_offsets = nullptr;  // [E + 1] on the device, forward only
   bool b_row_major = true;
   bool vec_a = false, vec_b = false;      // 16-byte vector loads are legal (aligned base, ld and strides)
 };
@@ -38,8 +38,8 @@ struct GroupedGemmArgs {
 // Rows per forward output tile for `dtype`; launch_row_offsets counts tiles in these units.
 int64_t forward_tile_rows(at::ScalarType dtype);
 
-// Fills workspace [2E + 3] int64: row offsets [E + 1] (clamped to [0, num_rows]) then forward tile offsets
-// [E + 2], the last group being the rows past the counts' sum (written as zeros). counts: [E] int32/int64.
+// Fills workspace [2E + 2] int64: row offsets [E + 1] (clamped to [0, num_rows]) then forward tile offsets
+// [E + 1] (no tile covers the rows past the counts' sum). counts: [E] int32/int64.
 void launch_row_offsets(const at::Tensor& counts, const at::Tensor& workspace, int64_t num_rows,
                         int64_t tile_rows, cudaStream_t stream);
 

@@ -65,14 +65,14 @@ __device__ __forceinline__ int64_t rows_of(CountT count, int64_t num_rows) {
   return min(max(static_cast<int64_t>(count), int64_t{0}), num_rows);
 }
 
-// The rows of experts [0, end) summed, on every thread of a block of `Threads` threads.
-template <int Threads = kPrepareThreads, class CountT>
+// The rows of experts [0, end) summed, on every thread of a block of kPrepareThreads threads.
+template <class CountT>
 __device__ int64_t rows_before(const CountT* counts, int64_t end, int64_t num_rows) {
-  using Reduce = cub::BlockReduce<int64_t, Threads>;
+  using Reduce = cub::BlockReduce<int64_t, kPrepareThreads>;
   __shared__ typename Reduce::TempStorage temp;
   __shared__ int64_t total;
   int64_t partial = 0;
-  for (int64_t i = threadIdx.x; i < end; i += Threads) partial += rows_of(counts[i], num_rows);
+  for (int64_t i = threadIdx.x; i < end; i += kPrepareThreads) partial += rows_of(counts[i], num_rows);
   const int64_t sum = Reduce(temp).Sum(partial);
   if (threadIdx.x == 0) total = sum;
   __syncthreads();

@@ -133,8 +133,8 @@ __device__ __forceinline__ Stride leading_stride(int64_t ld) {
 
 // Grid (1 + fill blocks, E); replaces a separate offsets scan, so an op is two launches. Column 0: block
 // (0, e) sums the counts before e and its thread 0 writes group e's problem shape, pointers and strides.
-// Columns 1.. write zeros that no GEMM tile covers. Forward (expert 0's row): the rows past the counts' sum
-// (bad counts only). Wgrad: the d[e] of an expert whose count is 0, streamed at store bandwidth; its group
+// Columns 1.. (wgrad only) write zeros that no GEMM tile covers: the d[e] of an expert whose count is 0,
+// streamed at store bandwidth; its group
 // gets M = 0 (CUTLASS leaves the accumulators of a zero-length reduction uninitialized: its first wgmma with
 // ScaleOut::Zero sits inside `if (k_tile_count > 0)`). An expert whose rows bad counts clamp away (count > 0,
 // no rows left) is found only by the prefix sum, which fill blocks skip: its group is instead a full [m, n]
@@ -148,11 +148,7 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C>
   const int64_t e = blockIdx.y;
   auto* d = static_cast<typename C::ElementD*>(p.d);
   if (blockIdx.x > 0) {
-    if constexpr (C::kForward) {
-      if (e != 0) return;
-      const int64_t rows = min(rows_before(counts, p.num_experts, p.num_rows), p.num_rows);
-      zero_fill(d, rows * p.n * kBytesD, p.m * p.n * kBytesD, blockIdx.x - 1, gridDim.x - 1);
-    } else if constexpr (C::kZeroEmpty) {
+    if constexpr (C::kZeroEmpty) {
       if (e == 0) zero_fill(g.zeros, 0, (p.m + p.n) * sizeof(Element), blockIdx.x - 1, gridDim.x - 1);
       if (counts[e] > 0) return;
       zero_fill(d, e * p.m * p.n * kBytesD, (e + 1) * p.m * p.n * kBytesD, blockIdx.x - 1, gridDim.x - 1);
@@ -212,12 +208,11 @@ struct Runner<D, O, K, Family::kPtrArray> {
     return GroupArrays<C>::bytes(p) + C::Gemm::get_workspace_size(arguments(p, GroupArrays<C>{}, sm_count));
   }
 
-  // Fill blocks per expert, exiting at once unless there is something to zero. Forward: the rows past the
-  // counts' sum exist only for bad counts, 16 blocks suffice. Wgrad: up to 64 per empty expert stream its d[e]
-  // at about store bandwidth. Accumulating wgrad writes no zeros.
+  // Fill blocks per expert, exiting at once unless there is something to zero. Wgrad: up to 64 per empty expert
+  // stream its d[e] at about store bandwidth. The forward leaves the rows past the counts' sum unwritten, and
+  // accumulating wgrad writes no zeros.
   static int fill_blocks(const Problem& p) {
-    if (C::kAccum) return 0;
-    if (C::kForward) return 16;
+    if (C::kAccum || C::kForward) return 0;
     const int64_t chunks = p.m * p.n * static_cast<int64_t>(sizeof(typename C::ElementD)) / 16;
     return static_cast<int>(std::clamp<int64_t>((chunks + kPrepareThreads * 4 - 1) / (kPrepareThreads * 4), 1, 64));
   }

@@ -53,15 +53,14 @@ struct RowTileArrays {
   }
 };
 
-// The listing kernel: B list blocks, then kFillBlocks blocks that zero the rows past the counts' sum (bad counts
-// only), as the pointer-array forward does. The GEMM waits for all of it (PDL), so its latency, not its work, is
-// what counts: every list block scans all the counts itself (no block waits for another), then its warps list
+// The listing kernel: B list blocks (no tile covers the rows past the counts' sum, which stay unwritten). The GEMM
+// waits for all of it (PDL), so its latency, not its work, is what counts: every list block scans all the counts itself (no block waits for another), then its warps list
 // the tiles of experts b W + w, b W + w + B W, ... (W warps a block), lanes across one expert's tiles.
 // Per expert e with rows [r0, r1): row tiles from r0, r0 + bm, ... below r1 times every column tile, walked down
 // the rows (a weight slice stays hot while the rows stream past) unless the expert's rows outweigh its weight
 // (r1 - r0 > n), then across the columns (a row block stays hot). (A 2x1 cluster sharing weight tiles is slower,
 // with each expert's row tiles padded to pairs and without: docs/kernels.md.)
-constexpr int kListTileThreads = 256, kListTileWarps = kListTileThreads / 32, kFillBlocks = 16;
+constexpr int kListTileThreads = 256, kListTileWarps = kListTileThreads / 32;
 // B = min(ceil(E / W), kMaxListBlocks): a warp then lists at most kExpertsPerWarp experts for E < 32768.
 constexpr int kMaxListBlocks = 128, kExpertsPerWarp = 32;
 
@@ -72,18 +71,13 @@ inline int list_blocks(int64_t experts) {
   return static_cast<int>(blocks);
 }
 
-template <class Element, class CountT>
+template <class CountT>
 __global__ void __launch_bounds__(kListTileThreads) list_row_tiles(RowTileArrays g, Problem p, int bm, int bn) {
   wait_for_previous_kernels();               // launched as a programmatic dependent (launch_dependent)
   cutlass::arch::launch_dependent_grids();   // the GEMM may start; its scheduler waits for this kernel's tiles
   const auto* counts = static_cast<const CountT*>(p.counts);
   const int64_t experts = p.num_experts, num_rows = p.num_rows, col_tiles = (p.n + bn - 1) / bn;
-  const int64_t blocks = gridDim.x - kFillBlocks;
-  if (blockIdx.x >= blocks) {
-    const int64_t rows = min(rows_before<kListTileThreads>(counts, experts, num_rows), num_rows);
-    zero_fill(p.d, rows * p.n * sizeof(Element), p.m * p.n * sizeof(Element), blockIdx.x - blocks, kFillBlocks);
-    return;
-  }
+  const int64_t blocks = gridDim.x;
   // Each thread's experts: their rows, then their tiles from the clamped row offsets (bad counts may clamp an
   // expert's rows away, so the tiles' scan needs the rows' first).
   const int64_t per_thread = (experts + kListTileThreads - 1) / kListTileThreads;
@@ -495,9 +489,8 @@ struct Runner<D, O, K, Family::kRowTile> {
     // The listing kernel goes before CUTLASS's initialize, as every sm_90a path orders its launches: the runtime
     // launch makes the device's context current on this thread (autograd's backward thread may not have it yet),
     // which the TMA descriptor encoding, a driver call, needs (initialize first: CUDA_ERROR_INVALID_CONTEXT).
-    const auto list = p.counts_int32 ? list_row_tiles<typename C::Element, int32_t>
-                                     : list_row_tiles<typename C::Element, int64_t>;
-    launch_dependent(list, list_blocks(p.num_experts) + kFillBlocks, kListTileThreads, stream, g, p, int{C::kBlockM},
+    const auto list = p.counts_int32 ? list_row_tiles<int32_t> : list_row_tiles<int64_t>;
+    launch_dependent(list, list_blocks(p.num_experts), kListTileThreads, stream, g, p, int{C::kBlockM},
                      int{C::kBlockN});
     typename C::Gemm gemm;
     cutlass::Status status = gemm.initialize(arguments(p, g, sm_count), nullptr, stream);

@@ -48,13 +48,13 @@ class GroupedLinear(nn.Module):
                 ) -> torch.Tensor:
         """``x [R, in]`` expert-major, ``tokens_per_expert [E]`` int summing to at most R -> ``[R, out]``.
 
-        Each row gets its expert's bias, times ``row_scale [R]`` when given; padding rows past the counts' sum
-        are zeros.
+        Each row gets its expert's bias, times ``row_scale [R]`` when given; the unused rows past the counts'
+        sum are unspecified (the grouped GEMM leaves them unwritten).
         """
         out = grouped_gemm(x, local_shard(self.weight), tokens_per_expert)
         if self.bias is None:
             return out
-        # The padding rows form a last group with a zero bias; output_size keeps repeat_interleave from reading
+        # The unused rows form a last group with a zero bias; output_size keeps repeat_interleave from reading
         # the counts on the host.
         counts = tokens_per_expert.to(x.device)
         counts = torch.cat([counts, (x.shape[0] - counts.sum()).reshape(1)])
@@ -95,8 +95,8 @@ class GroupedMLP(nn.Module):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """``[R, H]``, ``[E]`` int (summing to at most R; the rows past the sum are padding, zeros out), ``[R]``
-        float -> ``([R, H] in the input's dtype, None)``.
+        """``[R, H]``, ``[E]`` int (summing to at most R; the rows past the sum are unused, never read, their
+        outputs and gradients unspecified), ``[R]`` float -> ``([R, H] in the input's dtype, None)``.
 
         No host sync. Raises ValueError / TypeError on mismatched shapes or dtypes.
         """
@@ -105,7 +105,8 @@ class GroupedMLP(nn.Module):
         if self.probs_on_output:
             out = self.fc2(activation(self.fc1(x, tokens_per_expert), self.activation_func), tokens_per_expert)
             return _scale_rows(out, permuted_probs), None
-        intermediate = _activation_with_probs(self.fc1(x, tokens_per_expert), self.activation_func, permuted_probs)
+        intermediate = _activation_with_probs(self.fc1(x, tokens_per_expert), self.activation_func, permuted_probs,
+                                              used_rows=tokens_per_expert.sum())
         return self.fc2(intermediate, tokens_per_expert, row_scale=permuted_probs), None
 
 
@@ -134,10 +135,10 @@ class SequentialMLP(nn.Module):
         counts = tokens_per_expert.tolist()
         if sum(counts) > x.shape[0]:
             raise ValueError(f"tokens_per_expert: expected counts summing to at most R={x.shape[0]}, got {counts}")
-        num_padding = x.shape[0] - sum(counts)
+        num_unused = x.shape[0] - sum(counts)
         outputs = []
-        for expert, x_e, p_e in zip(self.local_experts, x.split(counts + [num_padding])[:-1],
-                                    permuted_probs.split(counts + [num_padding])[:-1], strict=True):
+        for expert, x_e, p_e in zip(self.local_experts, x.split(counts + [num_unused])[:-1],
+                                    permuted_probs.split(counts + [num_unused])[:-1], strict=True):
             fc1, fc2 = expert.linear_fc1, expert.linear_fc2
             fc1_out = nn.functional.linear(x_e, local_shard(fc1.weight), local_shard(fc1.bias))
             if self.probs_on_output:
@@ -150,7 +151,7 @@ class SequentialMLP(nn.Module):
             if fc2.bias is not None:
                 out_e = out_e + (local_shard(fc2.bias) * p_e.unsqueeze(-1)).to(out_e.dtype)
             outputs.append(out_e)
-        outputs.append(x.new_zeros(num_padding, hidden_size, dtype=outputs[0].dtype))
+        outputs.append(x.new_zeros(num_unused, hidden_size, dtype=outputs[0].dtype))
         return torch.cat(outputs, dim=0), None
 
 
@@ -195,10 +196,11 @@ def check_expert_inputs(x: torch.Tensor, tokens_per_expert: torch.Tensor, probs:
         raise TypeError(f"permuted_probs: expected a floating dtype, got {probs.dtype}")
 
 
-def _activation_with_probs(fc1_out: torch.Tensor, name: str, probs: torch.Tensor) -> torch.Tensor:
-    # SwiGLU runs fused with the probs (one pass each way, float32 inside).
+def _activation_with_probs(fc1_out: torch.Tensor, name: str, probs: torch.Tensor,
+                           used_rows: torch.Tensor | None = None) -> torch.Tensor:
+    # SwiGLU runs fused with the probs (one pass each way, float32 inside), skipping the unused rows.
     if name == "swiglu":
-        return swiglu_with_probs(fc1_out, probs)
+        return swiglu_with_probs(fc1_out, probs, used_rows)
     return _scale_rows(activation(fc1_out, name), probs)
 
 

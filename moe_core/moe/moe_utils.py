@@ -155,14 +155,25 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
 
 
 def _row_probs(probs: torch.Tensor, token_of_row: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
-    """``[R]``: each row's prob, 0 for a padding or unused row. Such a row reads a zero of its own, appended after
-    probs: the gradient's accumulation then never meets one index many times (thousands of rows on one entry
-    serialise it), and whatever gradient an unused row gets is dropped."""
-    num_tokens, num_experts = probs.shape
-    num_rows = token_of_row.shape[0]
-    flat = torch.cat([probs.reshape(-1), probs.new_zeros(num_rows)])
-    own_zero = num_tokens * num_experts + torch.arange(num_rows, device=token_of_row.device)
-    return flat[torch.where(token_of_row >= 0, token_of_row * num_experts + expert_of_row, own_zero)]
+    """``[R]``: each row's prob, 0 for a padding or unused row."""
+    return gather_row_probs(probs, token_of_row * probs.shape[1] + expert_of_row, token_of_row >= 0)
+
+
+def gather_row_probs(values: torch.Tensor, index_R: torch.Tensor, routed_R: torch.Tensor) -> torch.Tensor:
+    """``[R]``: ``values.reshape(-1)[index_R[r]]`` where ``routed_R[r]``, else 0 (padding and unused rows).
+
+    A row not routed reads a zero of its own, appended after the values: the gradient's accumulation then never
+    meets one index many times (thousands of rows on one entry serialise its atomics), and whatever gradient such
+    a row gets is dropped. Differentiable in ``values``.
+
+    Args:
+        values: any shape, float. index_R: ``[R]`` int64, flat positions into values (any value where not
+            routed). routed_R: ``[R]`` bool.
+    """
+    num_rows = index_R.shape[0]
+    flat = torch.cat([values.reshape(-1), values.new_zeros(num_rows)])
+    own_zero = values.numel() + torch.arange(num_rows, device=index_R.device)
+    return flat[torch.where(routed_R, index_R, own_zero)]
 
 
 def unpermute(permuted: torch.Tensor, row_map: RowMap) -> torch.Tensor:
@@ -224,4 +235,5 @@ def _check_routing(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch
         raise ValueError(f"probs: expected {tuple(routing_map.shape)} like routing_map, got {tuple(probs.shape)}")
 
 
-__all__ = ["RowMap", "build_row_map", "permute", "unpermute", "side_stream", "check_num_slots", "compute_dtype"]
+__all__ = ["RowMap", "build_row_map", "permute", "unpermute", "side_stream", "check_num_slots", "compute_dtype",
+           "gather_row_probs"]

@@ -79,6 +79,7 @@ from moe_core.moe.moe_utils import (
     RowMap,
     check_num_slots,
     compute_dtype,
+    gather_row_probs,
     permute,
     side_stream,
     unpermute,
@@ -199,8 +200,7 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
             packed_values(received, hidden_size, num_local), self.topk, num_expert_rows)
         rows_RH, probs_NL = unpack_rows(received, received_map.token_of_row.unsqueeze(1), received_map.row_of_slot,
                                         hidden_size, num_local)
-        # Unused rows (sync-free) have value index 0, which may read -inf.
-        probs_R = torch.where(received_map.token_of_row >= 0, probs_NL.take(value_index), 0.0)
+        probs_R = gather_row_probs(probs_NL, value_index, received_map.token_of_row >= 0)  # unused rows: 0
         meta = AlltoAllDispatchMeta(sent_map, tuple(input_splits), tuple(output_splits), received_map=received_map)
         return rows_RH, tokens_per_expert, probs_R, meta
 

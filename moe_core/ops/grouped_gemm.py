@@ -30,14 +30,15 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch
         weight: ``[E, K, N]``, or ``[E, N, K]`` with ``trans_weight`` (then ``weight[e]^T`` is used); x's dtype
             and device.
         tokens_per_expert: ``[E]`` int32/int64 on any device, rows of each expert, summing to at most T. Zeros
-            are fine anywhere (all zero, T == 0). Rows past the sum are padding (a static bound on the rows, as
-            in a sync-free dispatch): never read, zeros in y and in dgrad, no part of any weight gradient.
+            are fine anywhere (all zero, T == 0). Rows past the sum are unused (a static bound on the rows, as
+            in a sync-free dispatch): never read, left unwritten in y and in dgrad (whatever memory held, as
+            ``torch._grouped_mm`` leaves them), no part of any weight gradient.
         trans_weight: see ``weight``.
         gradient_accumulation_fusion: Megatron's fusion: when ``weight`` carries a float32 ``main_grad``
             of its shape, backward adds the weight gradient into ``weight.main_grad`` and hands autograd a zero
             gradient (so the weight's hooks still fire), setting ``weight.grad_added_to_main_grad = True``.
     Returns:
-        ``[T, N]`` in x's dtype; bf16/fp16 accumulate in float32. Every row is written (padding rows as zeros).
+        ``[T, N]`` in x's dtype; bf16/fp16 accumulate in float32. The rows past the counts' sum are unspecified.
     Backward:
         dgrad ``dx = grouped_gemm(dy, weight, trans_weight=not trans_weight)``; wgrad ``dweight[e] = x_e^T dy_e``,
         exactly zero for an expert without rows and never None, also when T == 0.

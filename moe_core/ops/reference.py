@@ -11,7 +11,8 @@ def grouped_gemm_ref(x_TK: torch.Tensor, w: torch.Tensor, tokens_per_expert_E: t
     """y[rows of e] = x[rows of e] @ (w[e] or w[e].T), a per-expert loop in x's dtype (the reference).
 
     x_TK [T, K]; w [E, K, N] ([E, N, K] when trans_weight); tokens_per_expert_E [E] integers summing to at most
-    T. Returns y [T, N], zeros in the padding rows past the sum. Upcast the inputs to float64 for an exact reference.
+    T. Returns y [T, N], zeros in the unused rows past the sum (the op leaves them unspecified). Upcast the inputs
+    to float64 for an exact reference.
     """
     counts = tokens_per_expert_E.tolist()
     n = w.shape[1] if trans_weight else w.shape[2]

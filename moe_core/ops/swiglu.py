@@ -20,20 +20,23 @@ def _use_triton(fc1_out: torch.Tensor) -> bool:
     return fc1_out.is_cuda and triton_available()
 
 
-def _swiglu_with_probs(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+# used_rows: a 0-dim int64 on fc1_out's device or None; the Triton kernels skip the rows at or past it, the
+# references compute every row.
+def _swiglu_with_probs(fc1_out: torch.Tensor, probs: torch.Tensor, used_rows: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     if _use_triton(fc1_out):
         from moe_core.ops.triton.swiglu import swiglu_probs_fwd
 
-        return swiglu_probs_fwd(fc1_out.contiguous(), probs.contiguous())
+        return swiglu_probs_fwd(fc1_out.contiguous(), probs.contiguous(), used_rows)
     return swiglu_with_probs_ref(fc1_out, probs)
 
 
-def _swiglu_with_probs_backward(grad: torch.Tensor, fc1_out: torch.Tensor, probs: torch.Tensor
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_with_probs_backward(grad: torch.Tensor, fc1_out: torch.Tensor, probs: torch.Tensor,
+                                used_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(fc1_out):
         from moe_core.ops.triton.swiglu import swiglu_probs_bwd
 
-        return swiglu_probs_bwd(grad.contiguous(), fc1_out.contiguous(), probs.contiguous())
+        return swiglu_probs_bwd(grad.contiguous(), fc1_out.contiguous(), probs.contiguous(), used_rows)
     return swiglu_with_probs_backward_ref(grad, fc1_out, probs)
 
 
@@ -47,8 +50,8 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
-    fc1_out, probs = ctx.saved_tensors
-    return tuple(_SWIGLU_BACKWARD(grad, fc1_out, probs))
+    fc1_out, probs, used_rows = ctx.saved_tensors
+    return *_SWIGLU_BACKWARD(grad, fc1_out, probs, used_rows), None
 
 
 _swiglu_op.register_autograd(_backward, setup_context=_setup)
@@ -56,22 +59,37 @@ _SWIGLU = EagerOp(torch.ops.moe_core.swiglu_with_probs, _swiglu_with_probs, _set
 _SWIGLU_BACKWARD = EagerOp(torch.ops.moe_core.swiglu_with_probs_backward, _swiglu_with_probs_backward)
 
 
-def swiglu_with_probs(fc1_out_RF2: torch.Tensor, probs_R: torch.Tensor) -> torch.Tensor:
+def swiglu_with_probs(fc1_out_RF2: torch.Tensor, probs_R: torch.Tensor, used_rows: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """``silu(gate) * up * probs`` per row, computed in float32 and rounded once to fc1's dtype.
 
     Args:
         fc1_out_RF2: ``[R, 2F]`` float, gate half first (Megatron's order). probs_R: ``[R]`` float.
+        used_rows: a 0-dim integer tensor on fc1's device, or None (every row used): the rows at or past it are
+            unused (a static bound's, as the grouped GEMM's rows past ``tokens_per_expert``'s sum), never read,
+            their outputs and gradients unspecified (unwritten on CUDA).
     Returns:
-        ``[R, F]`` in fc1_out's dtype. Differentiable in both inputs (``probs_R`` gets
+        ``[R, F]`` in fc1_out's dtype. Differentiable in ``fc1_out_RF2`` and ``probs_R`` (``probs_R`` gets
         ``sum_f grad * silu(gate) * up``).
     Raises:
-        ValueError: shapes do not fit.
+        ValueError: shapes do not fit. TypeError: ``used_rows`` is not a 0-dim integer tensor.
     """
     if fc1_out_RF2.dim() != 2 or fc1_out_RF2.shape[1] % 2:
         raise ValueError(f"fc1_out_RF2: expected [R, 2F], got {tuple(fc1_out_RF2.shape)}")
     if probs_R.shape != fc1_out_RF2.shape[:1]:
         raise ValueError(f"probs_R: expected [{fc1_out_RF2.shape[0]}], got {tuple(probs_R.shape)}")
-    return _SWIGLU(fc1_out_RF2, probs_R)
+    if used_rows is not None and (not isinstance(used_rows, torch.Tensor) or used_rows.dim()
+                                  or used_rows.is_floating_point() or used_rows.dtype == torch.bool):
+        raise TypeError(f"used_rows: expected a 0-dim integer tensor or None, got {_describe(used_rows)}")
+    if used_rows is not None:
+        used_rows = used_rows.to(fc1_out_RF2.device, torch.int64)
+    return _SWIGLU(fc1_out_RF2, probs_R, used_rows)
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-dim {value.dtype} tensor"
+    return type(value).__name__
 
 
 __all__ = ["swiglu_with_probs"]

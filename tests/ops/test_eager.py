@@ -29,7 +29,8 @@ def _calls(device: str):
         ("unpermute_rows", permute._UNPERMUTE_ROWS, (y, token_of_row, row_of_slot, f32), (0,)),
         ("pack_rows", pack._PACK_ROWS, (x, values, index, inverse, f32), (0, 1)),
         ("unpack_rows", pack._UNPACK_ROWS, (packed, inverse, index, 40, 2, f32), (0,)),
-        ("swiglu_with_probs", swiglu._SWIGLU, (fc1, probs), (0, 1)),
+        ("swiglu_with_probs", swiglu._SWIGLU, (fc1, probs, None), (0, 1)),
+        ("swiglu_with_probs", swiglu._SWIGLU, (fc1, probs, torch.tensor(rows, device=device)), (0, 1)),
     ]
 
 

@@ -177,9 +177,10 @@ def test_gradient_accumulation_fusion_needs_main_grad():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("trans_weight", [False, True], ids=["kn", "nk"])
-def test_padding_rows_past_the_counts_sum(device, dtype, trans_weight):
-    # A static bound on the rows (the sync-free dispatch): counts sum to 11 of T = 300 rows. The padding rows hold
-    # NaN and are never read: y and dx are zeros there, and dweight equals the product over the 11 rows alone.
+def test_unused_rows_past_the_counts_sum(device, dtype, trans_weight):
+    # A static bound on the rows (the sync-free dispatch): counts sum to 11 of T = 300 rows. The unused rows hold
+    # NaN and are never read: y and dx over the 11 rows and dweight equal the products over those rows alone (y's
+    # and dx's unused rows are unspecified).
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
@@ -200,8 +201,6 @@ def test_padding_rows_past_the_counts_sum(device, dtype, trans_weight):
                                grouped_gemm_ref(dy_used, w64, counts.cpu(), not trans_weight), **tol)
     torch.testing.assert_close(w.grad.double(), grouped_gemm_wgrad_ref(x_used, dy_used, counts.cpu(), trans_weight),
                                **tol)
-    assert torch.equal(y[used:], torch.zeros_like(y[used:]))
-    assert torch.equal(x.grad[used:], torch.zeros_like(x.grad[used:]))
     assert torch.equal(w.grad[1], torch.zeros_like(w.grad[1]))
 
 

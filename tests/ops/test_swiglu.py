@@ -38,6 +38,7 @@ def test_gradcheck_and_opcheck():
     probs = torch.rand(5, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(swiglu_with_probs, (fc1, probs))
     torch.library.opcheck(torch.ops.moe_core.swiglu_with_probs, (fc1.float(), probs.float()))
+    torch.library.opcheck(torch.ops.moe_core.swiglu_with_probs, (fc1.float(), probs.float(), torch.tensor(3)))
 
 
 def test_rejects_bad_shapes():
@@ -45,6 +46,34 @@ def test_rejects_bad_shapes():
         swiglu_with_probs(torch.randn(3, 5), torch.rand(3))
     with pytest.raises(ValueError, match="probs_R"):
         swiglu_with_probs(torch.randn(3, 4), torch.rand(2))
+    for used_rows in (3, torch.tensor([3]), torch.tensor(3.0)):
+        with pytest.raises(TypeError, match="used_rows"):
+            swiglu_with_probs(torch.randn(3, 4), torch.rand(3), used_rows)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_unused_rows_are_never_read(device):
+    # Rows at or past used_rows hold NaN in every input; the used rows' outputs and gradients are those of the
+    # used rows alone (the unused rows' are unspecified: unwritten on CUDA, computed on the CPU).
+    if device == "cuda" and not (torch.cuda.is_available() and triton_available()):
+        pytest.skip("needs CUDA and triton")
+    torch.manual_seed(0)
+    used, rows, ffn = 37, 100, 48
+    fc1 = torch.randn(rows, 2 * ffn, device=device)
+    probs = torch.rand(rows, device=device)
+    grad = torch.randn(rows, ffn, device=device)
+    for tensor in (fc1, probs, grad):
+        tensor[used:] = float("nan")
+    fc1.requires_grad_()
+    probs.requires_grad_()
+    out = swiglu_with_probs(fc1, probs, torch.tensor(used, device=device))
+    out.backward(grad)
+    fc1_used, probs_used = fc1.detach()[:used].double(), probs.detach()[:used].double()
+    dfc1, dprobs = swiglu_with_probs_backward_ref(grad[:used].double(), fc1_used, probs_used)
+    tol = dict(rtol=1e-5, atol=1e-5)  # float32 against float64
+    torch.testing.assert_close(out[:used].double(), swiglu_with_probs_ref(fc1_used, probs_used), **tol)
+    torch.testing.assert_close(fc1.grad[:used].double(), dfc1, **tol)
+    torch.testing.assert_close(probs.grad[:used].double(), dprobs, **tol)
 
 
 def _rel_err(x, ref):
@@ -65,8 +94,8 @@ def test_triton_within_twice_torch_bf16_error(ffn):
     ref_out = swiglu_with_probs_ref(fc1_64, probs_64)
     ref_dfc1, ref_dprobs = swiglu_with_probs_backward_ref(grad_64, fc1_64, probs_64)
     torch.full((257 * 2 * ffn * 4,), float("nan"), device="cuda")  # poison free blocks
-    out = swiglu_probs_fwd(fc1, probs)
-    dfc1, dprobs = swiglu_probs_bwd(grad, fc1, probs)
+    out = swiglu_probs_fwd(fc1, probs, None)
+    dfc1, dprobs = swiglu_probs_bwd(grad, fc1, probs, None)
     # PyTorch's own bf16 computation of the same function, the error budget's yardstick.
     torch_out = (F.silu(fc1[:, :ffn]) * fc1[:, ffn:] * probs.unsqueeze(-1)).bfloat16()
     budget = 2 * _rel_err(torch_out, ref_out) + 1e-6

@@ -114,7 +114,8 @@ def forced_probs(logits: torch.Tensor, routing_map: torch.Tensor) -> torch.Tenso
 
 class ToyExperts(nn.Module):
     """``y = (x @ weight[e]) * prob`` for each local expert e; runs every expert, empty ones included. Rows past
-    the counts' sum (the sync-free dispatch's padding) give zeros.
+    the counts' sum (the sync-free dispatch's unused rows) give NaN, standing in for the memory the grouped GEMM
+    leaves unwritten there: nothing downstream may read them.
 
     ``weight`` [L, H, H]. Stands in for GroupedMLP where the test is about the communication.
     """
@@ -126,7 +127,7 @@ class ToyExperts(nn.Module):
     def forward(self, x, tokens_per_expert, probs):
         counts = tokens_per_expert.tolist()
         *chunks, padding = torch.split(x, counts + [x.shape[0] - sum(counts)])
-        out = torch.cat([c @ self.weight[e] for e, c in enumerate(chunks)] + [torch.zeros_like(padding)])
+        out = torch.cat([c @ self.weight[e] for e, c in enumerate(chunks)] + [torch.full_like(padding, torch.nan)])
         return out * probs.unsqueeze(-1).to(out.dtype), None
 
 

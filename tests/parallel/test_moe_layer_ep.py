@@ -108,8 +108,8 @@ def test_moe_layer_matches_single_process(world, dispatcher, scenario):
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_moe_layer_sync_free(dispatcher):
-    """moe_dispatch_sync_free with biases and a shared expert: the padding rows past tokens_per_expert's sum get no
-    bias and leave every gradient as the single-process layer's."""
+    """moe_dispatch_sync_free with biases and a shared expert: the unused rows past tokens_per_expert's sum (their
+    values unspecified) leave the output and every gradient as the single-process layer's."""
     stats = run_distributed(2, _layer, scenario="dirichlet", dispatcher=dispatcher, capacity=None, sync_free=True)
     print(f"world=2 {dispatcher} dirichlet sync-free: {stats[0]}")
 
