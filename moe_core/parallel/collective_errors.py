@@ -43,9 +43,10 @@ def named_collective(name: str, group: dist.ProcessGroup | None = None) -> Itera
         if not dist.is_initialized() or not (isinstance(e, dist.DistError) or _GLOO_FAILURE.search(str(e))):
             raise
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        detail = " ".join(str(e).split())  # one line (DDP's reducer reports over several), so logs end with it
         raise CollectiveError(
-            f"rank {dist.get_rank()}: collective {name} over ranks {ranks} did not complete: {e} (a rank is stuck, "
-            "stopped or dead, or ranks issued different collectives; the timeout is init_distributed's, "
+            f"rank {dist.get_rank()}: collective {name} over ranks {ranks} did not complete: {detail} (a rank is "
+            "stuck, stopped or dead, or ranks issued different collectives; the timeout is init_distributed's, "
             "--distributed-timeout-minutes)"
         ) from e
 

@@ -20,9 +20,10 @@ collective.
 
 The caller's dense / expert split decides the ``ep`` factor, and a wrapped model's gradients carry their mesh:
 a DTensor gradient must live on the dense meshes (dimensions ``dp`` and ``tp``) or the expert ones
-(``expt_dp`` and ``expt_tp``), and an expert parameter left unwrapped (``allreduce = False``, DDP with a one-rank
-expert-DP mesh) must not be in the dense list, so a parameter passed in the wrong list raises instead of silently
-changing the norm. A ``Partial`` gradient (not yet reduced) raises too.
+(``expt_dp`` and ``expt_tp``); under DDP with a one-rank expert-DP mesh, where both stay plain, an expert
+parameter (``allreduce = False``) must not be in the dense list nor a dense one (``allreduce = True``) in the
+expert list. So a parameter passed in the wrong list raises instead of silently changing the norm. A ``Partial``
+gradient (not yet reduced) raises too.
 """
 
 from __future__ import annotations
@@ -67,11 +68,13 @@ def _check_mesh(grad: torch.Tensor, names: list[tuple[str, ...]] | None, where: 
         )
 
 
-def _check_not_expert(param: torch.nn.Parameter, where: str) -> None:
-    """A dense-list parameter must not be an expert left unwrapped (plain, so ``_check_mesh`` cannot see it)."""
-    if getattr(param, "allreduce", True) is False:
-        raise ValueError(f"{where}: an expert parameter (allreduce=False, not wrapped on its one-rank expert-DP "
-                         "mesh) in the dense list; pass the parameters as split_expert_params(model) splits them")
+def _check_mark(param: torch.nn.Parameter, expert: bool, where: str) -> None:
+    """A plain parameter's DDP mark (``_check_mesh`` cannot see a plain tensor's mesh) must fit its list."""
+    if getattr(param, "allreduce", None) is expert:
+        kind = "a dense parameter (allreduce=True" if expert else "an expert parameter (allreduce=False"
+        raise ValueError(f"{where}: {kind}, under DDP with a one-rank expert-DP mesh) in the "
+                         f"{'expert' if expert else 'dense'} list; pass the parameters as split_expert_params(model) "
+                         "splits them")
 
 
 def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Iterable[torch.nn.Parameter],
@@ -85,8 +88,9 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
     Raises:
         ValueError: ``norm_type`` is not positive, a grad is still ``Partial``, or a DTensor grad is not on a
             mesh of its list (``dense_params[i]``: dimensions ``dp`` / ``tp``, ``expert_params[i]``:
-            ``expt_dp`` / ``expt_tp``), or an expert parameter marked ``allreduce = False`` is in the dense list;
-            the message names the list and index. Other plain-tensor grads carry no mesh and are taken as split.
+            ``expt_dp`` / ``expt_tp``), or a parameter's ``allreduce`` mark (False: expert, True: dense) puts it in
+            the other list; the message names the list and index. Other plain-tensor grads carry no mesh and are
+            taken as split.
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
@@ -101,8 +105,8 @@ def get_grad_norm(dense_params: Iterable[torch.nn.Parameter], expert_params: Ite
                 continue
             where = f"{arg}[{i}] (shape {tuple(p.shape)})"
             _check_mesh(p.grad, mesh, where)
-            if not expert and pg_collection is not None:
-                _check_not_expert(p, where)
+            if pg_collection is not None:
+                _check_mark(p, expert, where)
             local, shards = _local_and_shards(p.grad)
             # One read of the gradient, accumulated in float32.
             norm = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32)

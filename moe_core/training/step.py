@@ -54,6 +54,8 @@ class TrainingState:
         tokens_per_step: tokens of the global batch (every rank's), the loss's denominator.
         max_norm: gradient clipping threshold (inf: no clipping).
         autocast_dtype: the dtype of ``torch.autocast`` around forward passes, or None for none.
+        defer_gradient_sync: DDP (``parallel.apply_ddp``): gradients are reduced once, in the last micro-batch's
+            backward, not in every one.
     """
 
     model: torch.nn.Module
@@ -68,6 +70,7 @@ class TrainingState:
     tokens_per_step: int
     max_norm: float
     autocast_dtype: torch.dtype | None
+    defer_gradient_sync: bool = False
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """``torch.autocast`` to ``autocast_dtype`` on this device, or a no-op context."""
@@ -179,6 +182,11 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
         # under DDP/FSDP2 their hooks run inside the compiled call and may break the graph.
         for layer in model.decoder.layers:
             layer.compile(fullgraph=pg_collection is None)
+        if pg_collection is not None and not cfg.use_torch_fsdp2:
+            # torch's DDP fills its buckets layer by layer already; Dynamo's DDPOptimizer would split every
+            # layer's graph at bucket boundaries, host time per piece (a global option: torchtitan's apply_ddp
+            # sets it too).
+            torch._dynamo.config.optimize_ddp = False
     dense_params, expert_params = split_expert_params(model)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters)
@@ -196,6 +204,7 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
         tokens_per_step=cfg.micro_batch_size * num_micro * dp_size * model_config.seq_length,
         max_norm=cfg.clip_grad if cfg.clip_grad > 0 else math.inf,
         autocast_dtype=torch.bfloat16 if _bf16_on(cfg, device) and not fsdp2_casts else None,
+        defer_gradient_sync=pg_collection is not None and not cfg.use_torch_fsdp2,
     )
 
 
@@ -216,8 +225,11 @@ def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
     """
     model, pg = state.model, state.pg_collection
     step_loss = torch.zeros((), device=state.device)
-    micro_batches = zip(inputs.split(state.micro_batch_size), labels.split(state.micro_batch_size), strict=True)
+    micro_batches = list(zip(inputs.split(state.micro_batch_size), labels.split(state.micro_batch_size),
+                             strict=True))
     for i, (micro_inputs, micro_labels) in enumerate(micro_batches):
+        if state.defer_gradient_sync:
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         # Names the collectives the wrappers issue inside (FSDP2 all-gathers, gradient reductions); the MoE
         # all-to-alls name themselves.
         with named_collective(f"in micro-batch {i}'s forward or backward (FSDP2/DDP parameter all-gather or "

@@ -71,6 +71,8 @@ def _gpt_train(wrapper: str, ep: int, dispatcher: str, routing: str, steps: int 
     for step in range(steps):
         num_global = global_token_count(BATCH_PER_RANK * 8 * micro_batches, pg.dp, dev)
         for mb in range(micro_batches):
+            if wrapper == "ddp":  # one reduction per step, as train_step defers it
+                model.set_requires_gradient_sync(mb == micro_batches - 1)
             g = torch.Generator().manual_seed(1000 * step + mb)
             tokens = torch.randint(0, 32, (global_batch, 9), generator=g).to(dev)
             inputs, labels = tokens[:, :-1], tokens[:, 1:]

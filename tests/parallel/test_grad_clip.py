@@ -61,12 +61,14 @@ def _norms(wrapper: str, ep: int) -> dict:
     # A wrong split raises, naming the misplaced parameter, before any gradient is scaled.
     before = [_local(p.grad).clone() for p in dense + expert]
     first_expert = f"dense_params[{len(dense)}] (shape {tuple(expert[0].shape)})"
-    # DDP leaves experts alone on a one-rank expert-DP mesh unwrapped, plain tensors marked allreduce=False.
+    # DDP leaves experts alone on a one-rank expert-DP mesh unwrapped and the dense parameters under torch's DDP:
+    # plain tensors both, marked allreduce=False and True.
     lone = wrapper == "ddp" and pg.expt_dp_mesh.size() == 1
     misplaced = r"an expert parameter \(allreduce=False" if lone else r"mesh \('expt_dp',\), expected \('dp',\)"
     with pytest.raises(ValueError, match=re.escape(first_expert) + r".*" + misplaced):
         clip_grad_norm_(dense + expert, [], 1e-3, pg)
-    with pytest.raises(ValueError, match=r"expert_params\[0\] .*mesh \('dp',\), expected \('expt_dp',\)"):
+    misplaced = r"a dense parameter \(allreduce=True" if lone else r"mesh \('dp',\), expected \('expt_dp',\)"
+    with pytest.raises(ValueError, match=r"expert_params\[0\] .*" + misplaced):
         clip_grad_norm_([], dense + expert, 1e-3, pg)
     for b, p in zip(before, dense + expert, strict=True):
         assert torch.equal(b, _local(p.grad))

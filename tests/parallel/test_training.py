@@ -82,9 +82,9 @@ def _train(wrapper: str, ep: int, scenario: str, dispatcher: str = "alltoall", s
         load_ep_slice(model, full, pg.ep_rank, cfg.num_local_experts)
     WRAPPERS[wrapper](model, pg)
     dense, expert = split_expert_params(model)
-    if wrapper == "ddp":  # experts alone on their expert-DP mesh stay unwrapped: nothing to reduce
+    if wrapper == "ddp":  # experts alone on their expert-DP mesh stay unwrapped, the dense ones under torch's DDP
         lone = pg.expt_dp_mesh.size() == 1
-        assert all(isinstance(p, DTensor) != lone for p in expert) and all(isinstance(p, DTensor) for p in dense)
+        assert all(isinstance(p, DTensor) != lone for p in expert + dense)
     # One group per mesh kind, as build_optimizer makes them: a foreach step (CUDA's default, forced here for
     # the CPU too) cannot mix DTensors with the plain experts DDP leaves alone on a one-rank expert-DP mesh.
     opt = torch.optim.SGD([{"params": dense}, {"params": expert}], lr=0.5, foreach=True)
@@ -97,6 +97,8 @@ def _train(wrapper: str, ep: int, scenario: str, dispatcher: str = "alltoall", s
         num_global = global_token_count(counts[rank] * micro_batches, pg.dp, dev)
         assert int(num_global) == GLOBAL_TOKENS * micro_batches
         for mb in range(micro_batches):
+            if wrapper == "ddp":  # one reduction per step, as train_step defers it
+                model.set_requires_gradient_sync(mb == micro_batches - 1)
             x = torch.randn(GLOBAL_TOKENS, ref_cfg.hidden_size, generator=torch.Generator().manual_seed(
                 100 * step + mb)).to(dev)
             loss = token_mean_loss(per_token_loss(model(x[start:stop], routing[start:stop])), num_global)
