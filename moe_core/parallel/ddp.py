@@ -47,10 +47,9 @@ def apply_ddp(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks
     for param in model.parameters():  # Megatron's marks; plain either way, so grad_clip checks the split by them
         param.allreduce = param not in expert_params
     device = next(model.parameters()).device
-    # broadcast_buffers off: buffers such as a router's per-rank token counts are each rank's own.
+    # Its DDP holds the parameters only, so no buffer is broadcast (a router's token counts are each rank's own).
     ddp_replicate(model, ignored_modules=experts, process_group=pg_collection.dp,
-                  device_ids=[device] if device.type == "cuda" else None, broadcast_buffers=False,
-                  gradient_as_bucket_view=True)
+                  device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     model.register_comm_hook(pg_collection.dp, _sum_hook)
     return model
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
 from moe_core.moe.moe_layer import MoELayer
+from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
 from moe_core.parallel.grad_clip import clip_grad_norm_
 from moe_core.parallel.launch import rank_slice
@@ -121,6 +122,34 @@ def test_gpt_training_matches_single_process(wrapper, world, ep, dispatcher, rou
     for name, value in results[0]["replicated"].items():
         for r in range(1, world):
             assert torch.equal(results[r]["replicated"][name], value), f"{name} differs on rank {r}"
+
+
+def _router_loads(sequences_per_rank: list[int], forwards: int, wrap: str) -> list[float]:
+    pg = groups(2, NUM_EXPERTS)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = GPTModel(gpt_config("alltoall", 2), pg).to(device())
+    if wrap == "ddp":
+        apply_ddp(model, pg)
+    else:  # torch's DDP as a wrapper, buffers broadcast from rank 0 before every forward (its default)
+        model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=True)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(forwards):
+        tokens = torch.randint(0, 32, (sequences_per_rank[rank], 9), generator=g).to(device())
+        model(tokens[:, :-1], tokens[:, 1:]).sum().backward()
+    layers = (model if wrap == "ddp" else model.module).moe_layers()
+    return [float(layer.router.local_tokens_per_expert.sum()) for layer in layers]
+
+
+def test_router_loads_stay_each_ranks_own_under_ddp():
+    """A router's loads (``local_tokens_per_expert``, a buffer each rank accumulates over its own tokens until the
+    expert-bias update sums them) must survive DDP's forwards. Ranks 0 and 1 run 1 and 2 sequences of 8 tokens,
+    top-2, twice. Negative control: torch's DDP wrapper with its default buffer broadcast hands rank 1 rank 0's
+    count before each forward."""
+    loads = run_distributed(2, _router_loads, sequences_per_rank=[1, 2], forwards=2, wrap="ddp")
+    assert loads == [[2 * 1 * 8 * 2], [2 * 2 * 8 * 2]], loads
+    broadcast = run_distributed(2, _router_loads, sequences_per_rank=[1, 2], forwards=2, wrap="broadcasting")
+    assert broadcast[1] == [(1 + 2) * 8 * 2], broadcast  # rank 0's first count, then rank 1's second
 
 
 def _masked_loss_under_fsdp2() -> dict:
