@@ -143,12 +143,12 @@ __device__ __forceinline__ Stride leading_stride(int64_t ld) {
 template <class C, class CountT>
 __global__ void __launch_bounds__(kPrepareThreads) prepare_groups(GroupArrays<C> g, Problem p) {
   using Element = typename C::Element;
-  constexpr int64_t kBytesD = sizeof(typename C::ElementD);
   const auto* counts = static_cast<const CountT*>(p.counts);
   const int64_t e = blockIdx.y;
   auto* d = static_cast<typename C::ElementD*>(p.d);
   if (blockIdx.x > 0) {
     if constexpr (C::kZeroEmpty) {
+      constexpr int64_t kBytesD = sizeof(typename C::ElementD);
       if (e == 0) zero_fill(g.zeros, 0, (p.m + p.n) * sizeof(Element), blockIdx.x - 1, gridDim.x - 1);
       if (counts[e] > 0) return;
       zero_fill(d, e * p.m * p.n * kBytesD, (e + 1) * p.m * p.n * kBytesD, blockIdx.x - 1, gridDim.x - 1);
