@@ -177,12 +177,13 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
     """
     device = training_device(pg_collection)
     model = build_model(model_config, cfg, device, pg_collection)
+    ddp = pg_collection is not None and not cfg.use_torch_fsdp2  # build_model's DDP wrap
     if cfg.compile:
         # Per layer, as torchtitan does. fullgraph proves the single-process layer traces without a break;
         # under DDP/FSDP2 their hooks run inside the compiled call and may break the graph.
         for layer in model.decoder.layers:
             layer.compile(fullgraph=pg_collection is None)
-        if pg_collection is not None and not cfg.use_torch_fsdp2:
+        if ddp:
             # torch's DDP fills its buckets layer by layer already; Dynamo's DDPOptimizer would split every
             # layer's graph at bucket boundaries, host time per piece (a global option: torchtitan's apply_ddp
             # sets it too).
@@ -204,7 +205,7 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
         tokens_per_step=cfg.micro_batch_size * num_micro * dp_size * model_config.seq_length,
         max_norm=cfg.clip_grad if cfg.clip_grad > 0 else math.inf,
         autocast_dtype=torch.bfloat16 if _bf16_on(cfg, device) and not fsdp2_casts else None,
-        defer_gradient_sync=pg_collection is not None and not cfg.use_torch_fsdp2,
+        defer_gradient_sync=ddp,
     )
 
 
