@@ -11,7 +11,8 @@ Providers: ``moe_core``, ``setup_training`` + ``train_step`` of moe_core.trainin
 compiled); ``native``, the plain-PyTorch GPT of tools/_native_gpt.py (RMSNorm, RoPE, SDPA causal attention,
 the torch-native MoE of tools/_native_moe.py, fused AdamW, gradient clipping, bf16 autocast over fp32
 weights) starting from the weights moe_core's ``build_model`` gives; ``native_compiled``, each block compiled.
-Every step trains on one fixed random batch of ``micro_batch_size`` sequences.
+Every step trains on one fixed random batch of ``micro_batch_size`` sequences. ``--enable-cuda-graph``: both compiled
+providers replay their layers as CUDA graphs (torch.compile's ``reduce-overhead`` mode per layer).
 
 Per provider: ``--warmup`` steps (compilation happens there), then ``--steps`` steps timed with CUDA events
 (median, 10-90 percentile spread); tokens/s over the median step; peak memory (weights, AdamW states and
@@ -97,14 +98,17 @@ def flop_counts(model_config: TransformerConfig) -> dict:
                 flops_per_token=palm, flops_per_token_causal=causal)
 
 
-def build_step(provider: str, model_config: TransformerConfig, training: TrainingConfig, inputs, labels, pg=None):
+def build_step(provider: str, model_config: TransformerConfig, training: TrainingConfig, inputs, labels, pg=None,
+               cuda_graph: bool = False):
     """``(step, device)``: ``step()`` runs one training step and returns its loss (a 0-dim tensor). ``pg``: EP over
-    its groups (moe_core providers only)."""
+    its groups (moe_core providers only). ``cuda_graph``: compiled providers replay their layers as CUDA graphs."""
     compiled = provider.endswith("_compiled")
+    cuda_graph = cuda_graph and compiled
     if provider.startswith("moe_core"):
         if pg is not None:
             model_config = dataclasses.replace(model_config, expert_model_parallel_size=pg.ep_size)
-        state = setup_training(model_config, dataclasses.replace(training, compile=compiled), pg)
+        state = setup_training(model_config, dataclasses.replace(training, compile=compiled,
+                                                                 enable_cuda_graph=cuda_graph), pg)
         return (lambda: train_step(state, inputs, labels)[0]), state.device
     device = training_device(None)
     gpt = build_model(model_config, training, device)
@@ -112,12 +116,18 @@ def build_step(provider: str, model_config: TransformerConfig, training: Trainin
     del gpt
     if compiled:
         for block in model.layers:
-            block.compile()
+            block.compile(mode="reduce-overhead" if cuda_graph else None)
     optimizer = _native_gpt.build_adamw(model, training.lr, (training.adam_beta1, training.adam_beta2),
                                         training.adam_eps, training.weight_decay)
     max_norm = training.clip_grad if training.clip_grad > 0 else float("inf")
-    return (lambda: _native_gpt.train_step(model, optimizer, inputs, labels, training.micro_batch_size, max_norm,
-                                           training.bf16)), device
+
+    def step():
+        if cuda_graph:
+            torch.compiler.cudagraph_mark_step_begin()
+        return _native_gpt.train_step(model, optimizer, inputs, labels, training.micro_batch_size, max_norm,
+                                      training.bf16)
+
+    return step, device
 
 
 def bench_provider(provider: str, model_config: TransformerConfig, training: TrainingConfig, counts: dict,
@@ -134,7 +144,8 @@ def bench_provider(provider: str, model_config: TransformerConfig, training: Tra
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    step, device = build_step(provider, model_config, training, inputs.to(device), labels.to(device), pg)
+    step, device = build_step(provider, model_config, training, inputs.to(device), labels.to(device), pg,
+                              args.enable_cuda_graph)
     first_loss = step().item()
     row = timed(step, args.steps, max(args.warmup - 1, 0), device)
     last_loss = step().item()
@@ -189,6 +200,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="a tiny built-in model instead of --configs")
     parser.add_argument("--moe-dispatch-sync-free", action="store_true",
                         help="the EP rows dispatch without a host sync (moe_dispatch_sync_free)")
+    parser.add_argument("--enable-cuda-graph", action="store_true",
+                        help="the compiled providers replay each layer as CUDA graphs (torch.compile's "
+                             "reduce-overhead; TrainingConfig.enable_cuda_graph)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1

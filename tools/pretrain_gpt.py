@@ -84,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
                              "step 0 with a fresh optimizer")
     parser.add_argument("--compile", dest="compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile each transformer layer")
+    parser.add_argument("--enable-cuda-graph", dest="enable_cuda_graph", action="store_true", default=None,
+                        help="with --compile: replay each layer as CUDA graphs (one process, or DDP without TP "
+                             "and with one rank per expert-DP mesh)")
     parser.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action=argparse.BooleanOptionalAction,
                         default=None, help="GroupedMLP (default) or, with --no-moe-grouped-gemm, SequentialMLP")
     parser.add_argument("--moe-router-enable-expert-bias", dest="moe_router_enable_expert_bias",
@@ -100,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
                            sequence_parallel=args["sequence_parallel"])
     training_overrides = {field: args[field] for _, field, _ in TRAINING_FLAGS}
     training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"],
-                              compile=args["compile"], finetune=args["finetune"],
+                              compile=args["compile"], enable_cuda_graph=args["enable_cuda_graph"],
+                              finetune=args["finetune"],
                               load_partial=args["load_partial"])
     # A fine-tuned checkpoint fixes the vocabulary (the model's may be padded past the tokenizer's).
     if args["tokenizer"] is not None and not args["finetune"]:

@@ -39,7 +39,7 @@ def apply_ddp(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks
     the reduction (gradient accumulation over micro-batches). Call it on the allocated model (the marks do not
     survive ``to_empty``). See ``apply_fsdp2`` for the arguments.
     """
-    if pg_collection.tp is not None or pg_collection.expt_dp_mesh.size() > 1:
+    if not ddp_keeps_parameters_in_place(pg_collection):
         return wrap_per_block(model, pg_collection, fsdp_replicate, blocks=blocks, wrap_lone_experts=False)
     experts = [experts for block in (find_blocks(model) if blocks is None else blocks)
                for experts in find_expert_modules(block)]
@@ -54,6 +54,12 @@ def apply_ddp(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks
     return model
 
 
+def ddp_keeps_parameters_in_place(pg_collection: ProcessGroupCollection) -> bool:
+    """Whether ``apply_ddp`` takes torch's DDP, whose parameters stay plain tensors at fixed addresses (CUDA
+    graphs can replay over them), rather than FSDP2's ``replicate``: no dense TP and a one-rank expert-DP mesh."""
+    return pg_collection.tp is None and pg_collection.expt_dp_mesh.size() == 1
+
+
 def _sum_hook(group, bucket):
     # DDP's own reduction averages over the group; moe_core's losses are normalised by the global token count, so
     # gradients are summed (as FSDP2's force_sum_reduction_for_comms does on the other path). No annotations:
@@ -62,4 +68,4 @@ def _sum_hook(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-__all__ = ["apply_ddp"]
+__all__ = ["apply_ddp", "ddp_keeps_parameters_in_place"]

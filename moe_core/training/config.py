@@ -88,6 +88,12 @@ class TrainingConfig:
     """Shard parameters with FSDP2 (fully_shard); data-parallel replication (DDP) otherwise."""
     compile: bool = False
     """torch.compile each transformer layer (torchtitan's per-block compile)."""
+    enable_cuda_graph: bool = False
+    """Replay each compiled layer's forward and backward as CUDA graphs (torch.compile's ``reduce-overhead``
+    mode; Megatron's --enable-cuda-graph): the host no longer issues every kernel, which pays where the host
+    sets the pace (EP's extra ops, small layers). Needs ``compile`` and parameters at fixed addresses: one
+    process, or DDP with the experts alone on their expert-DP mesh and no tensor parallelism; not FSDP2,
+    which allocates parameters anew every step. On CPU the layers run compiled, without graphs."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "train_iters", "log_interval", "eval_iters"):
@@ -107,6 +113,9 @@ class TrainingConfig:
             raise ValueError(
                 f"lr_warmup_iters: expected 0..train_iters ({self.train_iters}), got {self.lr_warmup_iters}"
             )
+        if self.enable_cuda_graph and (not self.compile or self.use_torch_fsdp2):
+            raise ValueError(f"enable_cuda_graph: needs compile and no use_torch_fsdp2 (FSDP2 allocates parameters "
+                             f"anew every step), got compile={self.compile}, use_torch_fsdp2={self.use_torch_fsdp2}")
         if self.finetune and not self.load:
             raise ValueError("finetune: expected a checkpoint to take the weights from (load), got load=None")
         if isinstance(self.data_path, str):

@@ -32,7 +32,7 @@ from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
 from moe_core.models.init import init_weights
 from moe_core.parallel.collective_errors import named_collective
-from moe_core.parallel.ddp import apply_ddp
+from moe_core.parallel.ddp import apply_ddp, ddp_keeps_parameters_in_place
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
 from moe_core.parallel.grad_clip import clip_coefficient, get_grad_norm, scale_grads_
 from moe_core.parallel.loss import reduce_loss_for_logging
@@ -56,6 +56,8 @@ class TrainingState:
         autocast_dtype: the dtype of ``torch.autocast`` around forward passes, or None for none.
         defer_gradient_sync: DDP (``parallel.apply_ddp``): gradients are reduced once, in the last micro-batch's
             backward, not in every one.
+        cuda_graph: the compiled layers replay CUDA graphs (``TrainingConfig.enable_cuda_graph``); each step and
+            each evaluation forward starts with ``mark_step_begin``.
     """
 
     model: torch.nn.Module
@@ -71,6 +73,14 @@ class TrainingState:
     max_norm: float
     autocast_dtype: torch.dtype | None
     defer_gradient_sync: bool = False
+    cuda_graph: bool = False
+
+    def mark_step_begin(self) -> None:
+        """Call before a training step and before each evaluation forward: under CUDA graphs, every graph output
+        of the forwards before is dead by now (their backwards ran, or they were evaluations), so the graphs may
+        replay over their memory (``torch.compiler.cudagraph_mark_step_begin``)."""
+        if self.cuda_graph:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """``torch.autocast`` to ``autocast_dtype`` on this device, or a no-op context."""
@@ -173,16 +183,21 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
 
     Raises:
         ValueError: the process groups' EP size differs from ``model_config.expert_model_parallel_size``
-            (``GPTModel`` checks it).
+            (``GPTModel`` checks it); ``cfg.enable_cuda_graph`` where DDP cannot keep parameters in place.
     """
+    if cfg.enable_cuda_graph and pg_collection is not None and not ddp_keeps_parameters_in_place(pg_collection):
+        raise ValueError("enable_cuda_graph: needs parameters at fixed addresses, which DDP keeps only without tensor "
+                         f"parallelism and with one rank per expert-DP mesh; got TP {pg_collection.tp_size}, "
+                         f"expert-DP {pg_collection.expt_dp_mesh.size()}")
     device = training_device(pg_collection)
     model = build_model(model_config, cfg, device, pg_collection)
     ddp = pg_collection is not None and not cfg.use_torch_fsdp2  # build_model's DDP wrap
     if cfg.compile:
         # Per layer, as torchtitan does. fullgraph proves the single-process layer traces without a break;
         # under DDP/FSDP2 their hooks run inside the compiled call and may break the graph.
+        mode = "reduce-overhead" if cfg.enable_cuda_graph else None
         for layer in model.decoder.layers:
-            layer.compile(fullgraph=pg_collection is None)
+            layer.compile(fullgraph=pg_collection is None, mode=mode)
         if ddp:
             # torch's DDP fills its buckets layer by layer already; Dynamo's DDPOptimizer would split every
             # layer's graph at bucket boundaries, host time per piece (a global option: torchtitan's apply_ddp
@@ -205,7 +220,7 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
         tokens_per_step=cfg.micro_batch_size * num_micro * dp_size * model_config.seq_length,
         max_norm=cfg.clip_grad if cfg.clip_grad > 0 else math.inf,
         autocast_dtype=torch.bfloat16 if _bf16_on(cfg, device) and not fsdp2_casts else None,
-        defer_gradient_sync=ddp,
+        defer_gradient_sync=ddp, cuda_graph=cfg.enable_cuda_graph,
     )
 
 
@@ -225,6 +240,7 @@ def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
         CollectiveError: a collective of the step did not complete (a stuck, stopped or dead rank).
     """
     model, pg = state.model, state.pg_collection
+    state.mark_step_begin()
     step_loss = torch.zeros((), device=state.device)
     micro_batches = list(zip(inputs.split(state.micro_batch_size), labels.split(state.micro_batch_size),
                              strict=True))

@@ -67,6 +67,7 @@ def evaluate(state: TrainingState, tokens: torch.Tensor, cfg: TrainingConfig, se
         inputs, labels = sample_batch(tokens, cfg.micro_batch_size * dp_size, seq_length,
                                       cfg.seed + _VALID_SEED_OFFSET, i)
         inputs, labels = shard_rows(inputs, dp_rank, dp_size), shard_rows(labels, dp_rank, dp_size)
+        state.mark_step_begin()
         with state.autocast():
             total += model(inputs.to(state.device), labels.to(state.device)).double().sum()
     model.train(was_training)

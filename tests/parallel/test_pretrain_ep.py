@@ -16,7 +16,7 @@ from moe_core.parallel.state import gather_full_state_dict
 from moe_core.training.checkpoint import load_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.schedule import build_scheduler
-from moe_core.training.step import build_optimizer
+from moe_core.training.step import build_optimizer, setup_training
 from moe_core.training.trainer import pretrain
 from tests.parallel._common import groups
 from tests.parallel._launch import BACKEND, run_distributed
@@ -63,17 +63,34 @@ def test_pretrain_ep2_follows_single_process(tmp_path, fsdp2):
     print(f"single {single.train_losses} / ep2 {got['train']}; valid end {single.end_valid_loss} / {got['end']}")
 
 
-@pytest.mark.parametrize("dispatcher,sync_free", [("alltoall", False), ("allgather", False), ("alltoall", True)])
-def test_compiled_ep2_follows_single_process(tmp_path, dispatcher, sync_free):
+@pytest.mark.parametrize("dispatcher,sync_free,cuda_graph", [
+    ("alltoall", False, False), ("allgather", False, False), ("alltoall", True, False), ("alltoall", True, True)])
+def test_compiled_ep2_follows_single_process(tmp_path, dispatcher, sync_free, cuda_graph):
     """Each layer compiled under EP = 2: the exchange runs eagerly between compiled pieces (a traced exchange
-    with host split sizes failed, or hung, on some torch releases), or, sync-free, traces into the layer's graph;
+    with host split sizes failed, or hung, on some torch releases), or, sync-free, traces into the layer's graph,
+    which then replays as CUDA graphs with enable_cuda_graph (on NCCL; on CPU the option compiles without them);
     training follows the eager single-process run."""
     model_cfg, train_cfg = _configs(1, str(tmp_path / "single"), False)
     single = pretrain(model_cfg, train_cfg, log=lambda *_: None)
     ranks = run_distributed(2, _pretrain, timeout=240, ep=2, output_dir=str(tmp_path / "ep2"), fsdp2=False,
-                            dispatcher=dispatcher, compile=True, moe_dispatch_sync_free=sync_free)
+                            dispatcher=dispatcher, compile=True, moe_dispatch_sync_free=sync_free,
+                            enable_cuda_graph=cuda_graph)
     torch.testing.assert_close(torch.tensor(ranks[0]["train"]), torch.tensor(single.train_losses), rtol=1e-4, atol=0)
     torch.testing.assert_close(ranks[0]["end"], single.end_valid_loss, rtol=1e-4, atol=0)
+
+
+def _setup_error(**options) -> str:
+    model_cfg, train_cfg = _configs(1, "unused", False, dp=2, **options)
+    with pytest.raises(ValueError, match="enable_cuda_graph") as err:
+        setup_training(model_cfg, train_cfg, groups(1, 4))
+    return str(err.value)
+
+
+def test_cuda_graphs_refuse_parameters_that_move():
+    """With the experts replicated over an expert-DP mesh of two ranks, DDP is FSDP2's replicate, which allocates
+    parameters anew every step: enable_cuda_graph is refused by name before the model is built."""
+    messages = run_distributed(2, _setup_error, timeout=60, compile=True, enable_cuda_graph=True)
+    assert messages[0] == messages[1] and "expert-DP 2" in messages[0]
 
 
 def test_pretrain_tp2_ep2_follows_ep2(tmp_path):

@@ -77,6 +77,10 @@ def test_transformer_config_ranges(overrides, message):
     (dict(lr="3e-3"), r"lr: expected a number, got str \('3e-3'\)"),
     (dict(max_skipped_steps=-1), r"max_skipped_steps: expected an int >= 0"),
     (dict(save_keep=0), r"save_keep: expected an int >= 1"),
+    (dict(enable_cuda_graph=True), r"enable_cuda_graph: needs compile and no use_torch_fsdp2 .*, got compile=False, "
+                                   r"use_torch_fsdp2=False"),
+    (dict(enable_cuda_graph=True, compile=True, use_torch_fsdp2=True),
+     r"enable_cuda_graph: .*, got compile=True, use_torch_fsdp2=True"),
 ])
 def test_training_config_ranges(overrides, message):
     with pytest.raises((ValueError, TypeError), match=message):

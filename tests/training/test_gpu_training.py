@@ -59,3 +59,30 @@ def test_non_finite_step_is_skipped_by_the_fused_optimizer():
     from tests.training.test_nonfinite_step import test_non_finite_gradient_skips_the_step
 
     test_non_finite_gradient_skips_the_step()  # setup_training picks CUDA here: the fused path
+
+
+@pytest.mark.parametrize("num_micro_batches", [1, 2])
+def test_cuda_graph_steps_follow_the_compiled_steps(num_micro_batches):
+    """enable_cuda_graph: every compiled layer's forward and backward are recorded (none skipped, which Inductor
+    counts) and replayed; over steps of one or two micro-batches, the losses follow the compiled run without
+    graphs (equal up to cuDNN attention's non-deterministic backward)."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.cudagraph_trees import get_manager
+
+    model_config = TransformerConfig(num_layers=2, hidden_size=128, num_attention_heads=4, num_moe_experts=8,
+                                     moe_router_topk=2, moe_ffn_hidden_size=64, seq_length=64)
+    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
+    losses = {}
+    for cuda_graph in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        state = setup_training(model_config, TrainingConfig(micro_batch_size=4 // num_micro_batches,
+                                                            global_batch_size=4, bf16=True,
+                                                            compile=True, enable_cuda_graph=cuda_graph,
+                                                            train_iters=4))
+        assert state.num_micro_batches == num_micro_batches
+        losses[cuda_graph] = torch.stack([train_step(state, tokens[:, :-1], tokens[:, 1:])[0] for _ in range(4)])
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    assert manager is not None and sum(len(nodes) for nodes in manager.roots.values()) > 0
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-3, atol=0)
