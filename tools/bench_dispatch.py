@@ -12,7 +12,9 @@ same dispatcher forced to one row per (token, expert), Megatron's layout, which 
 ``allgather``; ``alltoall_sync_free`` and ``allgather_sync_free``, the two with ``moe_dispatch_sync_free`` (every
 token to every rank, expert rows sized for the worst case, no host sync); ``alltoall_sync_free_compiled``, the
 sync-free all-to-all with dispatch, expert and combine compiled whole (``torch.compile(fullgraph=True)``, the
-all-to-alls functional collectives, as in a compiled layer; warm-up includes the compilation). Experts: ``identity``
+all-to-alls functional collectives, as in a compiled layer; warm-up includes the compilation);
+``alltoall_sync_free_cuda_graph``, the same replayed as CUDA graphs (``reduce-overhead``, as under
+``enable_cuda_graph``; on CPU compiled only). Experts: ``identity``
 (default), the dispatched rows go straight to combine and the probs get a gradient of ones, so only the dispatcher
 is timed (its gathers, the count exchange and its host sync, the collectives); ``scale``, ``y = x * prob`` per row,
 one more pass over the rows each way. Uniform random top-k routing, bf16 rows (or --dtype).
@@ -58,12 +60,13 @@ class _ExpertRows(EP_DISPATCHERS["alltoall"]):
     token_rows = False
 
 
-# name: (dispatcher class, moe_dispatch_sync_free, forward compiled whole)
+# name: (dispatcher class, moe_dispatch_sync_free, torch.compile mode of the whole exchange or None: eager)
 DISPATCHERS = {
-    **{name: (cls, False, False) for name, cls in EP_DISPATCHERS.items()},
-    "alltoall_expert_rows": (_ExpertRows, False, False),
-    **{f"{name}_sync_free": (cls, True, False) for name, cls in EP_DISPATCHERS.items()},
-    "alltoall_sync_free_compiled": (EP_DISPATCHERS["alltoall"], True, True),
+    **{name: (cls, False, None) for name, cls in EP_DISPATCHERS.items()},
+    "alltoall_expert_rows": (_ExpertRows, False, None),
+    **{f"{name}_sync_free": (cls, True, None) for name, cls in EP_DISPATCHERS.items()},
+    "alltoall_sync_free_compiled": (EP_DISPATCHERS["alltoall"], True, "default"),
+    "alltoall_sync_free_cuda_graph": (EP_DISPATCHERS["alltoall"], True, "reduce-overhead"),
 }
 
 
@@ -135,15 +138,27 @@ def _pop(nvtx) -> None:
         nvtx.range_pop()
 
 
+def _compiled(forward, mode: str):
+    compiled = torch.compile(forward, fullgraph=True, mode=mode)
+    if mode != "reduce-overhead":
+        return compiled
+
+    def replayed(*args):
+        torch.compiler.cudagraph_mark_step_begin()  # the last iteration's outputs are dead: replay over them
+        return compiled(*args)
+
+    return replayed
+
+
 def bench_dispatcher(name: str, args, pg: ProcessGroupCollection, device: torch.device) -> list[dict]:
     """Rows for one dispatcher: its forward and backward beside the replay of their collectives."""
-    cls, sync_free, compiled = DISPATCHERS[name]
+    cls, sync_free, mode = DISPATCHERS[name]
     config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
                                num_moe_experts=args.num_experts, moe_router_topk=args.topk,
                                expert_model_parallel_size=pg.ep_size, moe_dispatch_sync_free=sync_free)
     local = pg.local_expert_indices(args.num_experts)
     eager = exchange(cls(len(local), local, config, pg), args.expert)
-    timed = torch.compile(eager, fullgraph=True) if compiled else eager
+    timed = eager if mode is None else _compiled(eager, mode)
     hidden, probs, routing_map = routing(args, device, dist.get_rank())
 
     def phases(forward=timed):
@@ -172,6 +187,9 @@ def bench_dispatcher(name: str, args, pg: ProcessGroupCollection, device: torch.
         rows.append(dict(dispatcher=name, expert=args.expert, median_ms=med, min_ms=low, floor_ms=floor,
                          vs_floor=med / floor if floor else None, collectives=[c.name for c in calls[phase]],
                          bytes_out=sum(c.bytes_in for c in calls[phase]), **{"pass": phase}))
+    # Drops the compiled exchange and its CUDA graphs, whose captured collectives would hold up the process
+    # group's teardown.
+    torch._dynamo.reset()
     return rows
 
 

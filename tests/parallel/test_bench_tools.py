@@ -44,7 +44,7 @@ def test_bench_dispatch_times_each_dispatcher_beside_the_replay_of_its_collectiv
     assert ranks[0] == ranks[1]  # every figure is the slowest rank's
     rows = {(r["dispatcher"], r.get("pass")): r for r in ranks[0]}
     names = ("allgather", "alltoall", "alltoall_expert_rows", "allgather_sync_free", "alltoall_sync_free",
-             "alltoall_sync_free_compiled")
+             "alltoall_sync_free_compiled", "alltoall_sync_free_cuda_graph")
     assert sorted(rows, key=str) == sorted([(d, p) for d in names for p in ("forward", "backward")]
                                            + [("all_to_all_single", None)], key=str)
     for (_, phase), r in rows.items():
@@ -57,7 +57,7 @@ def test_bench_dispatch_times_each_dispatcher_beside_the_replay_of_its_collectiv
         assert rows[(name, "backward")]["collectives"] == ["all_to_all_single"] * 2
     assert rows[("alltoall", "forward")]["bytes_out"] < rows[("alltoall_expert_rows", "forward")]["bytes_out"]
     # Sync-free, eager or compiled whole: no count exchange, the packed rows and combine's rows each way.
-    for name in ("alltoall_sync_free", "alltoall_sync_free_compiled"):
+    for name in ("alltoall_sync_free", "alltoall_sync_free_compiled", "alltoall_sync_free_cuda_graph"):
         assert rows[(name, "forward")]["collectives"] == rows[(name, "backward")]["collectives"] == \
             ["all_to_all_single"] * 2
     assert rows[("allgather", "forward")]["collectives"] == ["all_gather_into_tensor"] * 3 + ["reduce_scatter_tensor"]
