@@ -84,9 +84,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
                              "step 0 with a fresh optimizer")
     parser.add_argument("--compile", dest="compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile each transformer layer")
-    parser.add_argument("--enable-cuda-graph", dest="enable_cuda_graph", action="store_true", default=None,
-                        help="with --compile: replay each layer as CUDA graphs (one process, or DDP without TP "
-                             "and with one rank per expert-DP mesh)")
+    parser.add_argument("--enable-cuda-graph", dest="enable_cuda_graph", action=argparse.BooleanOptionalAction,
+                        default=None, help="with --compile: replay each layer as CUDA graphs (one process, or DDP "
+                                           "without TP, with one rank per expert-DP mesh and, under EP, "
+                                           "--moe-dispatch-sync-free)")
     parser.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action=argparse.BooleanOptionalAction,
                         default=None, help="GroupedMLP (default) or, with --no-moe-grouped-gemm, SequentialMLP")
     parser.add_argument("--moe-router-enable-expert-bias", dest="moe_router_enable_expert_bias",

@@ -117,6 +117,8 @@ class TopKRouter(nn.Module):
             without their coefficients (1.0 is perfect balance), keyed ``aux_loss``, ``seq_aux_loss``,
             ``global_aux_loss``, ``z_loss``; only the losses computed by that forward are present.
         tokens_per_expert: ``[E]`` float32, detached rows per expert (after dropping) of the last forward.
+            It and ``aux_losses`` are outputs of the forward: under CUDA graphs
+            (``TrainingConfig.enable_cuda_graph``) they hold until the next training step or evaluation.
     Raises:
         ValueError: ``config.num_moe_experts`` is None.
     """

@@ -91,9 +91,11 @@ class TrainingConfig:
     enable_cuda_graph: bool = False
     """Replay each compiled layer's forward and backward as CUDA graphs (torch.compile's ``reduce-overhead``
     mode; Megatron's --enable-cuda-graph): the host no longer issues every kernel, which pays where the host
-    sets the pace (EP's extra ops, small layers). Needs ``compile`` and parameters at fixed addresses: one
-    process, or DDP with the experts alone on their expert-DP mesh and no tensor parallelism; not FSDP2,
-    which allocates parameters anew every step. On CPU the layers run compiled, without graphs."""
+    sets the pace (EP's extra ops, small layers). Needs ``compile``, static shapes (under EP the sync-free
+    exchange, ``moe_dispatch_sync_free``) and parameters at fixed addresses: one process, or DDP with the experts
+    alone on their expert-DP mesh and no tensor parallelism; not FSDP2, which allocates parameters anew every
+    step. A router's ``tokens_per_expert`` and ``aux_losses`` then hold until the next step or evaluation. On
+    CPU the layers run compiled, without graphs."""
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "train_iters", "log_interval", "eval_iters"):

@@ -76,9 +76,10 @@ class TrainingState:
     cuda_graph: bool = False
 
     def mark_step_begin(self) -> None:
-        """Call before a training step and before each evaluation forward: under CUDA graphs, every graph output
-        of the forwards before is dead by now (their backwards ran, or they were evaluations), so the graphs may
-        replay over their memory (``torch.compiler.cudagraph_mark_step_begin``)."""
+        """Call before a training step and before each evaluation forward: under CUDA graphs, the graphs then
+        replay over the memory of the outputs before (``torch.compiler.cudagraph_mark_step_begin``). The trainer
+        is done with those by then; a graph output a module keeps (a router's ``tokens_per_expert`` and
+        ``aux_losses``) holds the last forward's values only until the next step or evaluation."""
         if self.cuda_graph:
             torch.compiler.cudagraph_mark_step_begin()
 
@@ -183,12 +184,10 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
 
     Raises:
         ValueError: the process groups' EP size differs from ``model_config.expert_model_parallel_size``
-            (``GPTModel`` checks it); ``cfg.enable_cuda_graph`` where DDP cannot keep parameters in place.
+            (``GPTModel`` checks it); ``cfg.enable_cuda_graph`` where graphs could not replay (``_check_cuda_graph``).
     """
-    if cfg.enable_cuda_graph and pg_collection is not None and not ddp_keeps_parameters_in_place(pg_collection):
-        raise ValueError("enable_cuda_graph: needs parameters at fixed addresses, which DDP keeps only without tensor "
-                         f"parallelism and with one rank per expert-DP mesh; got TP {pg_collection.tp_size}, "
-                         f"expert-DP {pg_collection.expt_dp_mesh.size()}")
+    if cfg.enable_cuda_graph:
+        _check_cuda_graph(model_config, pg_collection)
     device = training_device(pg_collection)
     model = build_model(model_config, cfg, device, pg_collection)
     ddp = pg_collection is not None and not cfg.use_torch_fsdp2  # build_model's DDP wrap
@@ -222,6 +221,20 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
         autocast_dtype=torch.bfloat16 if _bf16_on(cfg, device) and not fsdp2_casts else None,
         defer_gradient_sync=ddp, cuda_graph=cfg.enable_cuda_graph,
     )
+
+
+def _check_cuda_graph(model_config: TransformerConfig, pg_collection: ProcessGroupCollection | None) -> None:
+    """A graph replays only over the same addresses and shapes: parameters that stay put (DDP keeps them only
+    without TP and with one rank per expert-DP mesh) and, under EP, the sync-free exchange (the default one's
+    row counts change every step, and each new count would record another graph)."""
+    if pg_collection is not None and not ddp_keeps_parameters_in_place(pg_collection):
+        raise ValueError("enable_cuda_graph: needs parameters at fixed addresses, which DDP keeps only without tensor "
+                         f"parallelism and with one rank per expert-DP mesh; got TP {pg_collection.tp_size}, "
+                         f"expert-DP {pg_collection.expt_dp_mesh.size()}")
+    if model_config.expert_model_parallel_size > 1 and not model_config.moe_dispatch_sync_free:
+        raise ValueError("enable_cuda_graph: under EP needs moe_dispatch_sync_free (static shapes), got "
+                         f"expert_model_parallel_size={model_config.expert_model_parallel_size} and "
+                         "moe_dispatch_sync_free=False")
 
 
 def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor

@@ -32,21 +32,25 @@ def _configs(ep: int, output_dir: str, fsdp2: bool, tp: int = 1, dp: int | None 
         num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.0,
         expert_model_parallel_size=ep, tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
     )
-    train = TrainingConfig(
-        micro_batch_size=8 // (dp or ep), global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=1,
-        log_interval=1, eval_iters=2, output_dir=output_dir, use_torch_fsdp2=fsdp2, bf16=False,
-        data_path=[str(STDLIB / "textwrap.py"), str(STDLIB / "shlex.py")], **training,
-    )
+    train = TrainingConfig(**{
+        **dict(micro_batch_size=8 // (dp or ep), global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=1,
+               log_interval=1, eval_iters=2, output_dir=output_dir, use_torch_fsdp2=fsdp2, bf16=False,
+               data_path=[str(STDLIB / "textwrap.py"), str(STDLIB / "shlex.py")]),
+        **training,
+    })
     return model, train
 
 
 def _pretrain(ep: int, output_dir: str, fsdp2: bool, save: str | None = None, tp: int = 1, **options) -> dict:
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     model_cfg, train_cfg = _configs(ep, output_dir, fsdp2, tp=tp, dp=dist.get_world_size() // tp, save=save,
                                     **options)
+    counters.clear()
     summary = pretrain(model_cfg, train_cfg, log=lambda *_: None, pg_collection=groups(ep, 4, tp, tp))
-    return {"start": summary.start_valid_loss, "end": summary.end_valid_loss, "train": summary.train_losses}
+    return {"start": summary.start_valid_loss, "end": summary.end_valid_loss, "train": summary.train_losses,
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
 
 
 @pytest.mark.parametrize("fsdp2", [False, True], ids=["ddp", "fsdp2"])
@@ -68,29 +72,37 @@ def test_pretrain_ep2_follows_single_process(tmp_path, fsdp2):
 def test_compiled_ep2_follows_single_process(tmp_path, dispatcher, sync_free, cuda_graph):
     """Each layer compiled under EP = 2: the exchange runs eagerly between compiled pieces (a traced exchange
     with host split sizes failed, or hung, on some torch releases), or, sync-free, traces into the layer's graph,
-    which then replays as CUDA graphs with enable_cuda_graph (on NCCL; on CPU the option compiles without them);
-    training follows the eager single-process run."""
-    model_cfg, train_cfg = _configs(1, str(tmp_path / "single"), False)
+    which then replays as CUDA graphs with enable_cuda_graph (on NCCL, none skipped; on CPU the option compiles
+    without them), here over two micro-batches a step (gradient accumulation under DDP) with evaluations
+    between steps; training follows the eager single-process run."""
+    # An evaluation batch is micro_batch_size x DP sequences: the single process's 4 x 1 are EP's 2 x 2.
+    accumulate = dict(micro_batch_size=4, eval_interval=2) if cuda_graph else {}
+    model_cfg, train_cfg = _configs(1, str(tmp_path / "single"), False, **accumulate)
     single = pretrain(model_cfg, train_cfg, log=lambda *_: None)
+    graphs = dict(accumulate, enable_cuda_graph=True, micro_batch_size=2) if cuda_graph else {}
     ranks = run_distributed(2, _pretrain, timeout=240, ep=2, output_dir=str(tmp_path / "ep2"), fsdp2=False,
-                            dispatcher=dispatcher, compile=True, moe_dispatch_sync_free=sync_free,
-                            enable_cuda_graph=cuda_graph)
+                            dispatcher=dispatcher, compile=True, moe_dispatch_sync_free=sync_free, **graphs)
     torch.testing.assert_close(torch.tensor(ranks[0]["train"]), torch.tensor(single.train_losses), rtol=1e-4, atol=0)
     torch.testing.assert_close(ranks[0]["end"], single.end_valid_loss, rtol=1e-4, atol=0)
+    if cuda_graph and BACKEND == "nccl":
+        assert [r["cudagraph_skips"] for r in ranks] == [0, 0]
 
 
-def _setup_error(**options) -> str:
-    model_cfg, train_cfg = _configs(1, "unused", False, dp=2, **options)
+def _setup_error(ep: int, **options) -> str:
+    model_cfg, train_cfg = _configs(ep, "unused", False, dp=2, **options)
     with pytest.raises(ValueError, match="enable_cuda_graph") as err:
-        setup_training(model_cfg, train_cfg, groups(1, 4))
+        setup_training(model_cfg, train_cfg, groups(ep, 4))
     return str(err.value)
 
 
-def test_cuda_graphs_refuse_parameters_that_move():
-    """With the experts replicated over an expert-DP mesh of two ranks, DDP is FSDP2's replicate, which allocates
-    parameters anew every step: enable_cuda_graph is refused by name before the model is built."""
-    messages = run_distributed(2, _setup_error, timeout=60, compile=True, enable_cuda_graph=True)
-    assert messages[0] == messages[1] and "expert-DP 2" in messages[0]
+def test_cuda_graphs_refuse_what_cannot_replay():
+    """enable_cuda_graph is refused by name before the model is built where graphs could not replay: with the
+    experts replicated over an expert-DP mesh of two ranks (DDP is then FSDP2's replicate, which allocates
+    parameters anew every step), and under EP with the default exchange (row counts that change every step)."""
+    moving = run_distributed(2, _setup_error, timeout=60, ep=1, compile=True, enable_cuda_graph=True)
+    assert moving[0] == moving[1] and "expert-DP 2" in moving[0]
+    dynamic = run_distributed(2, _setup_error, timeout=60, ep=2, compile=True, enable_cuda_graph=True)
+    assert "expert_model_parallel_size=2 and moe_dispatch_sync_free=False" in dynamic[0]
 
 
 def test_pretrain_tp2_ep2_follows_ep2(tmp_path):
