@@ -64,8 +64,8 @@ def test_non_finite_step_is_skipped_by_the_fused_optimizer():
 @pytest.mark.parametrize("num_micro_batches", [1, 2])
 def test_cuda_graph_steps_follow_the_compiled_steps(num_micro_batches):
     """enable_cuda_graph: every compiled layer's forward and backward are recorded (none skipped, which Inductor
-    counts) and replayed; over steps of one or two micro-batches, the losses follow the compiled run without
-    graphs (equal up to cuDNN attention's non-deterministic backward)."""
+    counts) and then replayed (a later step records no graph); over steps of one or two micro-batches, the losses
+    follow the compiled run without graphs (equal up to cuDNN attention's non-deterministic backward)."""
     from torch._dynamo.utils import counters
     from torch._inductor.cudagraph_trees import get_manager
 
@@ -85,4 +85,7 @@ def test_cuda_graph_steps_follow_the_compiled_steps(num_micro_batches):
     assert counters["inductor"]["cudagraph_skips"] == 0
     manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     assert manager is not None and sum(len(nodes) for nodes in manager.roots.values()) > 0
+    graph_ids = next(manager.graph_counter)  # the ids handed out so far (this call takes one more)
+    train_step(state, tokens[:, :-1], tokens[:, 1:])
+    assert next(manager.graph_counter) == graph_ids + 1, "a step after warm-up recorded a graph"
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-3, atol=0)
