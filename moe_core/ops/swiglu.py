@@ -78,10 +78,10 @@ def swiglu_with_probs(fc1_out_RF2: torch.Tensor, probs_R: torch.Tensor, used_row
         raise ValueError(f"fc1_out_RF2: expected [R, 2F], got {tuple(fc1_out_RF2.shape)}")
     if probs_R.shape != fc1_out_RF2.shape[:1]:
         raise ValueError(f"probs_R: expected [{fc1_out_RF2.shape[0]}], got {tuple(probs_R.shape)}")
-    if used_rows is not None and (not isinstance(used_rows, torch.Tensor) or used_rows.dim()
-                                  or used_rows.is_floating_point() or used_rows.dtype == torch.bool):
-        raise TypeError(f"used_rows: expected a 0-dim integer tensor or None, got {_describe(used_rows)}")
     if used_rows is not None:
+        if (not isinstance(used_rows, torch.Tensor) or used_rows.dim() or used_rows.is_floating_point()
+                or used_rows.dtype == torch.bool):
+            raise TypeError(f"used_rows: expected a 0-dim integer tensor or None, got {_describe(used_rows)}")
         used_rows = used_rows.to(fc1_out_RF2.device, torch.int64)
     return _SWIGLU(fc1_out_RF2, probs_R, used_rows)
 

@@ -41,8 +41,8 @@ def apply_ddp(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks
     """
     if not ddp_keeps_parameters_in_place(pg_collection):
         return wrap_per_block(model, pg_collection, fsdp_replicate, blocks=blocks, wrap_lone_experts=False)
-    experts = [experts for block in (find_blocks(model) if blocks is None else blocks)
-               for experts in find_expert_modules(block)]
+    experts = [module for block in (find_blocks(model) if blocks is None else blocks)
+               for module in find_expert_modules(block)]
     expert_params = {p for module in experts for p in module.parameters()}
     for param in model.parameters():  # Megatron's marks; plain either way, so grad_clip checks the split by them
         param.allreduce = param not in expert_params

@@ -122,9 +122,13 @@ def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: to
     if pg_collection is not None and model_config.num_moe_experts is not None:
         expert_offset = pg_collection.local_expert_indices(model_config.num_moe_experts)[0]
     init_weights(model, cfg.seed, expert_offset)
-    if pg_collection is not None and not cfg.use_torch_fsdp2:
+    if _wraps_with_ddp(cfg, pg_collection):
         apply_ddp(model, pg_collection)
     return model
+
+
+def _wraps_with_ddp(cfg: TrainingConfig, pg_collection: ProcessGroupCollection | None) -> bool:
+    return pg_collection is not None and not cfg.use_torch_fsdp2
 
 
 def _bf16_on(cfg: TrainingConfig, device: torch.device) -> bool:
@@ -190,7 +194,7 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
         _check_cuda_graph(model_config, pg_collection)
     device = training_device(pg_collection)
     model = build_model(model_config, cfg, device, pg_collection)
-    ddp = pg_collection is not None and not cfg.use_torch_fsdp2  # build_model's DDP wrap
+    ddp = _wraps_with_ddp(cfg, pg_collection)
     if cfg.compile:
         # Per layer, as torchtitan does. fullgraph proves the single-process layer traces without a break;
         # under DDP/FSDP2 their hooks run inside the compiled call and may break the graph.
