@@ -42,7 +42,7 @@ from _bench_dist import lockstep_ms, rank_device, slowest_rank  # noqa: E402
 from moe_core import TransformerConfig  # noqa: E402
 from moe_core.moe.dispatcher_factory import EP_DISPATCHERS  # noqa: E402
 from moe_core.moe.moe_layer import MoELayer  # noqa: E402
-from moe_core.parallel.launch import init_distributed  # noqa: E402
+from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.parallel.process_groups import ProcessGroupCollection  # noqa: E402
 from moe_core.parallel.state import load_full_state_dict  # noqa: E402
 
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                 meta = dict(run_metadata(rank_device()), backend=dist.get_backend(), args=vars(args))
                 Path(args.json).write_text(json.dumps(dict(meta, rows=rows), indent=1))
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -67,7 +67,7 @@ from _bench_dist import slowest_rank  # noqa: E402
 
 from moe_core import TransformerConfig  # noqa: E402
 from moe_core.models.gpt import GPTModel  # noqa: E402
-from moe_core.parallel.launch import init_distributed  # noqa: E402
+from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.step import build_model, setup_training, train_step, training_device  # noqa: E402
 from moe_core.training.trainer import mfu  # noqa: E402
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 Path(args.json).write_text(json.dumps(dict(meta, rows=rows), indent=1))
     finally:
         if pg is not None:
-            dist.destroy_process_group()
+            destroy_distributed()
     return rows
 
 

@@ -30,7 +30,7 @@ from moe_core.interop.hf import build_empty_model, load_hf_weights, read_hf_conf
 from moe_core.interop.hf_config import config_from_hf  # noqa: E402
 from moe_core.interop.hf_weights import INDEX_FILE  # noqa: E402
 from moe_core.models.gpt import GPTModel  # noqa: E402
-from moe_core.parallel.launch import init_distributed  # noqa: E402
+from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.checkpoint import load_model_weights, save_checkpoint  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.schedule import build_scheduler  # noqa: E402
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             out = import_hf(args.hf_dir, args.out_dir, args.seq_length, args.expert_model_parallel_size)
         finally:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                destroy_distributed()
         print(f"wrote {out / MODEL_YAML} and {out / CHECKPOINT_DIR}; train with: python tools/pretrain_gpt.py "
               f"--config {out / MODEL_YAML} --load {out / CHECKPOINT_DIR} --finetune")
     else:

@@ -22,12 +22,10 @@ import datetime
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_core.config import TransformerConfig  # noqa: E402
-from moe_core.parallel.launch import init_distributed  # noqa: E402
+from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.tokenizer import build_tokenizer  # noqa: E402
 from moe_core.training.trainer import TrainingDivergedError, pretrain  # noqa: E402
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"pretrain_gpt.py: {e}")
     finally:
         if pg is not None:
-            dist.destroy_process_group()
+            destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -68,6 +68,18 @@ def init_distributed(expert_model_parallel_size: int = 1, *, tensor_model_parall
     return pg_collection
 
 
+def destroy_distributed() -> None:
+    """Release the process's CUDA graphs (``enable_cuda_graph``), then destroy the default process group.
+
+    Graphs that captured collectives hold up the process group's teardown, so they go first (torch's
+    ``reset_cudagraph_trees``; a no-op where none were recorded). Call it where ``init_distributed`` returned groups.
+    """
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()
+    dist.destroy_process_group()
+
+
 def rank_slice(global_batch_size: int, pg_collection: ProcessGroupCollection | None) -> slice:
     """The rows of a global batch that this DP rank trains on: contiguous, distinct per DP rank (the TP ranks
     of a DP rank share them).

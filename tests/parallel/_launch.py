@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_core.parallel.launch import destroy_distributed
+
 BACKEND = os.environ.get("MOE_CORE_TEST_BACKEND", "gloo")
 DEFAULT_TIMEOUT_S = float(os.environ.get("MOE_CORE_TEST_TIMEOUT", "60"))
 STARTUP_TIMEOUT_S = 120.0
@@ -65,7 +67,7 @@ def _worker(rank: int, world_size: int, init_file: str, tasks: mp.Queue, results
             results.put((rank, True, fn(**kwargs)))
         except BaseException:  # noqa: BLE001 - every failure goes back to the test
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    destroy_distributed()
 
 
 class WorkerPool:
