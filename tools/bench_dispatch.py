@@ -25,6 +25,10 @@ on preallocated buffers, forward's and backward's separately: what NCCL needs to
 ``alltoall``'s time with ``alltoall_expert_rows``' floor too (the bytes of one row per expert). Also a sweep of
 ``all_to_all_single`` at equal splits (--floor-mib) with the bus bandwidth.
 
+``max_diff_vs_eager`` (compiled and graphed rows): the largest absolute difference between their outputs and input
+gradients and the eager exchange's on the same inputs, the maximum over ranks; rounding only, where they compute
+the same exchange.
+
 Every timed iteration starts after a barrier; CUDA events per phase (the wall clock on CPU); each figure is the
 slowest rank's median over --iters after --warmup. Prints a table on rank 0 and writes the rows as JSON (--json).
 """
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -48,7 +53,7 @@ from _bench_dist import all_to_all_sweep, lockstep_ms, rank_device, recording, r
 
 from moe_core.config import TransformerConfig  # noqa: E402
 from moe_core.moe.dispatcher_factory import EP_DISPATCHERS  # noqa: E402
-from moe_core.parallel.launch import init_distributed  # noqa: E402
+from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.parallel.process_groups import ProcessGroupCollection  # noqa: E402
 
 EXPERTS = ("identity", "scale")
@@ -120,12 +125,30 @@ def step_phases(forward, hidden, probs, routing_map, expert: str):
     _pop(nvtx)
     yield "forward"
     _push(nvtx, "backward")
+    _backward(out, row_probs, expert)
+    _pop(nvtx)
+    yield "backward"
+
+
+def _backward(out: torch.Tensor, row_probs: torch.Tensor, expert: str) -> None:
+    """Backward of ``exchange``'s outputs with gradients of ones (row_probs' through out alone for ``scale``)."""
     if expert == "scale":
         out.backward(torch.ones_like(out))
     else:
         torch.autograd.backward([out, row_probs], [torch.ones_like(out), torch.ones_like(row_probs)])
-    _pop(nvtx)
-    yield "backward"
+
+
+def max_difference(forward, eager, hidden, probs, routing_map, expert: str) -> float:
+    """The largest absolute difference between ``forward``'s outputs and input gradients and ``eager``'s, on this
+    rank (collective: every rank calls it)."""
+    results = []
+    for fn in (eager, forward):
+        x, p = hidden.detach().requires_grad_(), probs.detach().requires_grad_()
+        out, row_probs = fn(x, p, routing_map)
+        kept = [out.detach().clone(), row_probs.detach().clone()]  # a graph's next replay overwrites its outputs
+        _backward(out, row_probs, expert)
+        results.append([*kept, x.grad, p.grad])
+    return max(float((a.float() - b.float()).abs().max()) if a.numel() else 0.0 for a, b in zip(*results, strict=True))
 
 
 def _push(nvtx, name: str) -> None:
@@ -171,6 +194,7 @@ def bench_dispatcher(name: str, args, pg: ProcessGroupCollection, device: torch.
         with recording(calls[phase]):
             next(gen)
     times = lockstep_ms(phases, args.iters, args.warmup, device)
+    diff = math.nan if mode is None else max_difference(timed, eager, hidden, probs, routing_map, args.expert)
     floors = {}
     for phase, recorded in calls.items():
         run = replay(recorded, device)
@@ -182,13 +206,13 @@ def bench_dispatcher(name: str, args, pg: ProcessGroupCollection, device: torch.
         floors[phase] = lockstep_ms(floor_phases, args.iters, args.warmup, device)[phase]
     rows = []
     for phase in ("forward", "backward"):
-        med, low, floor = slowest_rank(
-            [statistics.median(times[phase]), min(times[phase]), statistics.median(floors[phase])], device)
+        med, low, floor, worst_diff = slowest_rank(
+            [statistics.median(times[phase]), min(times[phase]), statistics.median(floors[phase]), diff], device)
         rows.append(dict(dispatcher=name, expert=args.expert, median_ms=med, min_ms=low, floor_ms=floor,
                          vs_floor=med / floor if floor else None, collectives=[c.name for c in calls[phase]],
-                         bytes_out=sum(c.bytes_in for c in calls[phase]), **{"pass": phase}))
-    # Drops the compiled exchange and its CUDA graphs, whose captured collectives would hold up the process
-    # group's teardown.
+                         bytes_out=sum(c.bytes_in for c in calls[phase]), **{"pass": phase},
+                         max_diff_vs_eager=None if mode is None else worst_diff))
+    # The next dispatcher starts without this one's compiled exchange and its CUDA graphs' memory.
     torch._dynamo.reset()
     return rows
 
@@ -232,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
                 meta = dict(run_metadata(device), ep=pg.ep_size, backend=dist.get_backend(), **vars(args))
                 Path(args.json).write_text(json.dumps([dict(meta, **r) for r in rows], indent=1))
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
 
 
 if __name__ == "__main__":

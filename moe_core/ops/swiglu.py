@@ -65,7 +65,7 @@ def swiglu_with_probs(fc1_out_RF2: torch.Tensor, probs_R: torch.Tensor, used_row
 
     Args:
         fc1_out_RF2: ``[R, 2F]`` float, gate half first (Megatron's order). probs_R: ``[R]`` float.
-        used_rows: a 0-dim integer tensor on fc1's device, or None (every row used): the rows at or past it are
+        used_rows: a 0-dim integer tensor (copied to fc1's device), or None (every row used): the rows at or past it are
             unused (a static bound's, as the grouped GEMM's rows past ``tokens_per_expert``'s sum), never read,
             their outputs and gradients unspecified (unwritten on CUDA).
     Returns:
@@ -80,7 +80,7 @@ def swiglu_with_probs(fc1_out_RF2: torch.Tensor, probs_R: torch.Tensor, used_row
         raise ValueError(f"probs_R: expected [{fc1_out_RF2.shape[0]}], got {tuple(probs_R.shape)}")
     if used_rows is not None:
         if (not isinstance(used_rows, torch.Tensor) or used_rows.dim() or used_rows.is_floating_point()
-                or used_rows.dtype == torch.bool):
+                or used_rows.is_complex() or used_rows.dtype == torch.bool):
             raise TypeError(f"used_rows: expected a 0-dim integer tensor or None, got {_describe(used_rows)}")
         used_rows = used_rows.to(fc1_out_RF2.device, torch.int64)
     return _SWIGLU(fc1_out_RF2, probs_R, used_rows)

@@ -46,7 +46,7 @@ def test_rejects_bad_shapes():
         swiglu_with_probs(torch.randn(3, 5), torch.rand(3))
     with pytest.raises(ValueError, match="probs_R"):
         swiglu_with_probs(torch.randn(3, 4), torch.rand(2))
-    for used_rows in (3, torch.tensor([3]), torch.tensor(3.0)):
+    for used_rows in (3, torch.tensor([3]), torch.tensor(3.0), torch.tensor(3 + 0j), torch.tensor(True)):
         with pytest.raises(TypeError, match="used_rows"):
             swiglu_with_probs(torch.randn(3, 4), torch.rand(3), used_rows)
 

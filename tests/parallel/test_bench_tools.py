@@ -61,6 +61,11 @@ def test_bench_dispatch_times_each_dispatcher_beside_the_replay_of_its_collectiv
     for name in ("alltoall_sync_free", "alltoall_sync_free_compiled", "alltoall_sync_free_cuda_graph"):
         assert rows[(name, "forward")]["collectives"] == rows[(name, "backward")]["collectives"] == \
             ["all_to_all_single"] * 2
+    # The compiled and graphed exchanges compute the eager one's outputs and gradients (float32: rounding only).
+    for (name, phase), r in rows.items():
+        compiled = name.endswith(("_compiled", "_cuda_graph"))
+        assert phase is None or (r["max_diff_vs_eager"] is None) != compiled, r
+        assert not compiled or r["max_diff_vs_eager"] <= 1e-5, r
     assert rows[("allgather", "forward")]["collectives"] == ["all_gather_into_tensor"] * 3 + ["reduce_scatter_tensor"]
 
 

@@ -47,10 +47,21 @@ def _pretrain(ep: int, output_dir: str, fsdp2: bool, save: str | None = None, tp
 
     model_cfg, train_cfg = _configs(ep, output_dir, fsdp2, tp=tp, dp=dist.get_world_size() // tp, save=save,
                                     **options)
+    torch._dynamo.reset()  # this worker's earlier compiled graphs and CUDA graph trees
     counters.clear()
     summary = pretrain(model_cfg, train_cfg, log=lambda *_: None, pg_collection=groups(ep, 4, tp, tp))
     return {"start": summary.start_valid_loss, "end": summary.end_valid_loss, "train": summary.train_losses,
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"], "cuda_graphs": _recorded_graphs()}
+
+
+def _recorded_graphs() -> int:
+    """The CUDA graphs recorded on this rank's device (0 off CUDA)."""
+    if BACKEND != "nccl":
+        return 0
+    from torch._inductor.cudagraph_trees import get_manager
+
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    return 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values())
 
 
 @pytest.mark.parametrize("fsdp2", [False, True], ids=["ddp", "fsdp2"])
@@ -84,23 +95,27 @@ def test_compiled_ep2_follows_single_process(tmp_path, dispatcher, sync_free, cu
                             dispatcher=dispatcher, compile=True, moe_dispatch_sync_free=sync_free, **graphs)
     torch.testing.assert_close(torch.tensor(ranks[0]["train"]), torch.tensor(single.train_losses), rtol=1e-4, atol=0)
     torch.testing.assert_close(ranks[0]["end"], single.end_valid_loss, rtol=1e-4, atol=0)
-    if cuda_graph and BACKEND == "nccl":
+    if cuda_graph and BACKEND == "nccl":  # recorded, and none skipped
         assert [r["cudagraph_skips"] for r in ranks] == [0, 0]
+        assert all(r["cuda_graphs"] > 0 for r in ranks), ranks
 
 
-def _setup_error(ep: int, **options) -> str:
-    model_cfg, train_cfg = _configs(ep, "unused", False, dp=2, **options)
+def _setup_error(ep: int, tp: int = 1, **options) -> str:
+    model_cfg, train_cfg = _configs(ep, "unused", False, tp=tp, dp=2 // tp, **options)
     with pytest.raises(ValueError, match="enable_cuda_graph") as err:
-        setup_training(model_cfg, train_cfg, groups(ep, 4))
+        setup_training(model_cfg, train_cfg, groups(ep, 4, tp, tp))
     return str(err.value)
 
 
 def test_cuda_graphs_refuse_what_cannot_replay():
     """enable_cuda_graph is refused by name before the model is built where graphs could not replay: with the
-    experts replicated over an expert-DP mesh of two ranks (DDP is then FSDP2's replicate, which allocates
-    parameters anew every step), and under EP with the default exchange (row counts that change every step)."""
+    experts replicated over an expert-DP mesh of two ranks, or under dense TP (DDP is then FSDP2's replicate,
+    which allocates parameters anew every step), and under EP with the default exchange (row counts that change
+    every step)."""
     moving = run_distributed(2, _setup_error, timeout=60, ep=1, compile=True, enable_cuda_graph=True)
     assert moving[0] == moving[1] and "expert-DP 2" in moving[0]
+    tensor_parallel = run_distributed(2, _setup_error, timeout=60, ep=1, tp=2, compile=True, enable_cuda_graph=True)
+    assert "TP 2, expert-DP 1" in tensor_parallel[0]
     dynamic = run_distributed(2, _setup_error, timeout=60, ep=2, compile=True, enable_cuda_graph=True)
     assert "expert_model_parallel_size=2 and moe_dispatch_sync_free=False" in dynamic[0]
 
