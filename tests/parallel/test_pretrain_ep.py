@@ -47,7 +47,7 @@ def _pretrain(ep: int, output_dir: str, fsdp2: bool, save: str | None = None, tp
 
     model_cfg, train_cfg = _configs(ep, output_dir, fsdp2, tp=tp, dp=dist.get_world_size() // tp, save=save,
                                     **options)
-    torch._dynamo.reset()  # this worker's earlier compiled graphs and CUDA graph trees
+    torch._dynamo.reset()  # drops the compiled graphs and CUDA graph trees of this worker's earlier tasks
     counters.clear()
     summary = pretrain(model_cfg, train_cfg, log=lambda *_: None, pg_collection=groups(ep, 4, tp, tp))
     return {"start": summary.start_valid_loss, "end": summary.end_valid_loss, "train": summary.train_losses,
