@@ -30,7 +30,8 @@ Under torchrun (``WORLD_SIZE`` > 1; NCCL on GPUs, gloo on CPU): expert paralleli
 own ``micro_batch_size`` sequences, the experts split), then with ``ep`` = 1, the same config on every rank's own
 GPU at once, no communication (the one-GPU baseline). ``tokens_per_s`` is per GPU (a rank's tokens per step over
 the slowest rank's median step); ``vs_one_gpu`` is the EP row's over the baseline's; peak memory is the largest
-rank's; losses are rank 0's (the EP step's loss is the global batch's).
+rank's; losses are rank 0's (the EP step's loss is the global batch's). ``ep_load_imbalance``: the last step's
+rows on the busiest EP rank over the mean (``moe_core.training.trainer.ep_load_imbalance``), 1.0 when balanced.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from moe_core.models.gpt import GPTModel  # noqa: E402
 from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.step import build_model, setup_training, train_step, training_device  # noqa: E402
-from moe_core.training.trainer import mfu  # noqa: E402
+from moe_core.training.trainer import ep_load_imbalance, mfu  # noqa: E402
 
 CONFIGS = [str(Path(__file__).resolve().parents[1] / "configs" / name) for name in ("gpu_a.yaml", "gpu_b.yaml")]
 PROVIDERS = ("moe_core", "moe_core_compiled", "native", "native_compiled")
@@ -100,8 +101,9 @@ def flop_counts(model_config: TransformerConfig) -> dict:
 
 def build_step(provider: str, model_config: TransformerConfig, training: TrainingConfig, inputs, labels, pg=None,
                cuda_graph: bool = False):
-    """``(step, device)``: ``step()`` runs one training step and returns its loss (a 0-dim tensor). ``pg``: EP over
-    its groups (moe_core providers only). ``cuda_graph``: compiled providers replay their layers as CUDA graphs."""
+    """``(step, device, model)``: ``step()`` runs one training step and returns its loss (a 0-dim tensor); ``model``
+    the moe_core GPTModel (None for the native trainer). ``pg``: EP over its groups (moe_core providers only).
+    ``cuda_graph``: compiled providers replay their layers as CUDA graphs."""
     compiled = provider.endswith("_compiled")
     cuda_graph = cuda_graph and compiled
     if provider.startswith("moe_core"):
@@ -109,7 +111,7 @@ def build_step(provider: str, model_config: TransformerConfig, training: Trainin
             model_config = dataclasses.replace(model_config, expert_model_parallel_size=pg.ep_size)
         state = setup_training(model_config, dataclasses.replace(training, compile=compiled,
                                                                  enable_cuda_graph=cuda_graph), pg)
-        return (lambda: train_step(state, inputs, labels)[0]), state.device
+        return (lambda: train_step(state, inputs, labels)[0]), state.device, state.model
     device = training_device(None)
     gpt = build_model(model_config, training, device)
     model = _native_gpt.NativeGPT.from_gpt(gpt)
@@ -127,7 +129,7 @@ def build_step(provider: str, model_config: TransformerConfig, training: Trainin
         return _native_gpt.train_step(model, optimizer, inputs, labels, training.micro_batch_size, max_norm,
                                       training.bf16)
 
-    return step, device
+    return step, device, None
 
 
 def bench_provider(provider: str, model_config: TransformerConfig, training: TrainingConfig, counts: dict,
@@ -144,11 +146,13 @@ def bench_provider(provider: str, model_config: TransformerConfig, training: Tra
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    step, device = build_step(provider, model_config, training, inputs.to(device), labels.to(device), pg,
-                              args.enable_cuda_graph)
+    step, device, model = build_step(provider, model_config, training, inputs.to(device), labels.to(device), pg,
+                                     args.enable_cuda_graph)
     first_loss = step().item()
     row = timed(step, args.steps, max(args.warmup - 1, 0), device)
     last_loss = step().item()
+    if pg is not None and pg.ep_size > 1:  # the last step's loads
+        row["ep_load_imbalance"] = ep_load_imbalance(model, pg)
     peak_gib = (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None
     if dist.is_initialized():  # the slowest rank's step, the largest rank's memory
         row["median_ms"], peak = slowest_rank([row["median_ms"], peak_gib or 0.0], device)
@@ -186,6 +190,7 @@ def print_table(rows: list[dict]) -> None:
         ("peak GiB", 8, lambda r: fmt(r["peak_gib"], ".2f")),
         ("loss first", 10, lambda r: f"{r['first_loss']:.3f}"), ("last", 7, lambda r: f"{r['last_loss']:.3f}"),
         ("vs 1 GPU", 8, lambda r: fmt(r.get("vs_one_gpu"), ".2f")),
+        ("EP load", 7, lambda r: fmt(r.get("ep_load_imbalance"), ".2f")),
     ])
 
 

@@ -87,6 +87,26 @@ def expert_load_stats(model: GPTModel) -> dict[str, float]:
             "expert_load_cv": cv.item()}
 
 
+def ep_load_imbalance(model: GPTModel, pg_collection: ProcessGroupCollection) -> float:
+    """Rows the busiest EP rank's experts received in the last forward over the EP ranks' mean, averaged over MoE
+    layers: 1.0 when balanced. Every all-to-all waits for the busiest rank, so the experts' share of an EP step
+    takes about this factor longer than balanced loads would.
+
+    A rank's rows are its local experts' ``tokens_per_expert`` summed over the EP group's tokens (and the ETP
+    group's, whose tokens every ETP rank runs): the ranks at this rank's TP position. Collective over the EP
+    group (and the ETP group at ETP > 1): one all-reduce each.
+    """
+    layers = model.moe_layers()
+    if not layers:
+        return 1.0
+    loads = torch.stack([layer.router.tokens_per_expert.float() for layer in layers])  # [MoE layers, E]
+    for group in (pg_collection.ep, pg_collection.expt_tp):
+        if group is not None:
+            dist.all_reduce(loads, group=group)
+    rows = loads.view(len(layers), pg_collection.ep_size, -1).sum(dim=2)  # [MoE layers, EP ranks]
+    return (rows.max(dim=1).values / rows.mean(dim=1).clamp_min(1e-9)).mean().item()
+
+
 def router_losses(model: GPTModel, tp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Each aux / z loss of the last forward, summed over MoE layers (raw values without their coefficients;
     a balanced router's aux_loss is 1.0 per layer). Under TP each rank holds its share of each loss: pass the
@@ -206,6 +226,8 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
                        "tokens_per_second": tokens_per_second, "skipped_steps": skipped_steps,
                        **router_losses(state.model, None if pg is None else pg.tp),
                        **expert_load_stats(state.model)}
+            if pg is not None and pg.ep_size > 1:
+                metrics["ep_load_imbalance"] = ep_load_imbalance(state.model, pg)
             gpus = state.dp_size * (1 if pg is None else pg.tp_size)
             utilisation = mfu(whole.flops_per_token(), tokens_per_second / gpus, state.device)
             if utilisation is not None:
@@ -250,5 +272,5 @@ class _NoWriter:
         return None
 
 
-__all__ = ["pretrain", "RunSummary", "TrainingDivergedError", "evaluate", "expert_load_stats", "router_losses", "mfu",
-           "peak_memory_gib"]
+__all__ = ["pretrain", "RunSummary", "TrainingDivergedError", "evaluate", "expert_load_stats", "ep_load_imbalance",
+           "router_losses", "mfu", "peak_memory_gib"]

@@ -87,3 +87,4 @@ def test_bench_pretrain_under_ep_reports_both_layouts():
         assert "error" not in r, r.get("error")
         assert r["tokens_per_s"] > 0 and r["last_loss"] < r["first_loss"]
     assert rows[0]["vs_one_gpu"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"])
+    assert 1.0 <= rows[0]["ep_load_imbalance"] <= 2.0 and "ep_load_imbalance" not in rows[1]

@@ -4,8 +4,10 @@ process, other wrapper) with identical parameters."""
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +19,9 @@ from moe_core.training.checkpoint import load_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.schedule import build_scheduler
 from moe_core.training.step import build_optimizer, setup_training
-from moe_core.training.trainer import pretrain
+from moe_core.training.trainer import ep_load_imbalance, pretrain
 from tests.parallel._common import groups
-from tests.parallel._launch import BACKEND, run_distributed
+from tests.parallel._launch import BACKEND, device, run_distributed
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -71,6 +73,9 @@ def test_pretrain_ep2_follows_single_process(tmp_path, fsdp2):
     ranks = run_distributed(2, _pretrain, timeout=120, ep=2, output_dir=str(tmp_path / "ep2"), fsdp2=fsdp2)
     for r in ranks:  # every rank reports the same global numbers
         assert r == ranks[0]
+    logged = [json.loads(line) for line in (tmp_path / "ep2" / "metrics.jsonl").read_text().splitlines()]
+    imbalance = [row["ep_load_imbalance"] for row in logged if "loss" in row]
+    assert len(imbalance) == train_cfg.train_iters and all(1.0 <= x <= 2.0 for x in imbalance), imbalance
     got = ranks[0]
     torch.testing.assert_close(got["start"], single.start_valid_loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(torch.tensor(got["train"]), torch.tensor(single.train_losses), rtol=1e-4, atol=0)
@@ -98,6 +103,23 @@ def test_compiled_ep2_follows_single_process(tmp_path, dispatcher, sync_free, cu
     if cuda_graph and BACKEND == "nccl":  # recorded, and none skipped
         assert [r["cudagraph_skips"] for r in ranks] == [0, 0]
         assert all(r["cuda_graphs"] > 0 for r in ranks), ranks
+
+
+def _imbalance(counts: list[list[list[int]]]) -> float:
+    """``ep_load_imbalance`` of MoE layers whose routers hold ``counts[layer][rank]`` as this rank's loads."""
+    import torch.distributed as dist
+
+    layers = [SimpleNamespace(router=SimpleNamespace(tokens_per_expert=torch.tensor(c[dist.get_rank()],
+                                                                                    device=device())))
+              for c in counts]
+    return ep_load_imbalance(SimpleNamespace(moe_layers=lambda: layers), groups(2, 4))
+
+
+def test_ep_load_imbalance_is_the_busiest_ranks_rows_over_the_mean():
+    # Layer 1: the ranks' tokens route [3, 1, 0, 0] and [1, 1, 2, 0] rows to the 4 experts, [4, 2, 2, 0] in all:
+    # EP rank 0 (experts 0-1) gets 6 rows, rank 1 gets 2, so 6 / 4 = 1.5. Layer 2 is balanced: 1.0.
+    counts = [[[3, 1, 0, 0], [1, 1, 2, 0]], [[1, 1, 1, 1], [2, 0, 0, 2]]]
+    assert run_distributed(2, _imbalance, timeout=60, counts=counts) == [1.25, 1.25]
 
 
 def _setup_error(ep: int, tp: int = 1, **options) -> str:
