@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
+from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.training.checkpoint import check_save_dir, load_checkpoint, load_model_weights, save_checkpoint
@@ -102,7 +103,8 @@ def ep_load_imbalance(model: GPTModel, pg_collection: ProcessGroupCollection) ->
     loads = torch.stack([layer.router.tokens_per_expert.float() for layer in layers])  # [MoE layers, E]
     for group in (pg_collection.ep, pg_collection.expt_tp):
         if group is not None:
-            dist.all_reduce(loads, group=group)
+            with named_collective("all_reduce (EP load imbalance)", group):
+                dist.all_reduce(loads, group=group)
     rows = loads.view(len(layers), pg_collection.ep_size, -1).sum(dim=2)  # [MoE layers, EP ranks]
     return (rows.max(dim=1).values / rows.mean(dim=1).clamp_min(1e-9)).mean().item()
 
@@ -119,7 +121,8 @@ def router_losses(model: GPTModel, tp_group: dist.ProcessGroup | None = None) ->
         return {}
     stacked = torch.stack(list(totals.values()))
     if tp_group is not None:
-        dist.all_reduce(stacked, group=tp_group)
+        with named_collective("all_reduce (router losses)", tp_group):
+            dist.all_reduce(stacked, group=tp_group)
     return dict(zip(totals, stacked.tolist(), strict=True))
 
 
@@ -128,7 +131,8 @@ def peak_memory_gib(device: torch.device, pg_collection: ProcessGroupCollection 
     collective over all ranks (one all-reduce)."""
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
     if pg_collection is not None:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        with named_collective("all_reduce (peak memory)"):
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return peak.item()
 
 
