@@ -60,9 +60,10 @@ class SharedExpertMLP(MLP):
         a side CUDA stream after the work already queued, so the GPU runs it while the caller's next work, the
         dispatcher's permute and all-to-all, is in flight; the function makes the current stream wait for it
         (an event, no host sync). Autograd runs the backward on the same side stream, so it overlaps the
-        dispatcher's backward too. Otherwise the forward runs here, in order, and the function returns it.
+        dispatcher's backward too. Otherwise, and under torch.compile (the side stream would break the graph;
+        there the compiled graph orders the work), the forward runs here, in order, and the function returns it.
         """
-        if not (self.overlap and hidden.is_cuda):
+        if not (self.overlap and hidden.is_cuda) or torch.compiler.is_compiling():
             out = self(hidden)
             return lambda: out
         return self._start_on_side_stream(hidden)
