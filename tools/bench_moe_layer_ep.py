@@ -4,12 +4,14 @@
     torchrun --standalone --nproc-per-node 2 tools/bench_moe_layer_ep.py --json $OUT/moe_layer_ep.json
     ... --shapes qwen3_30b_a3b --tokens 16384 --dispatchers alltoall allgather
     ... --shared-expert-size 2048             # + a shared expert, moe_shared_expert_overlap off and on
+    ... --moe-dispatch-sync-free --compile    # the sync-free exchange, every provider under torch.compile
     torchrun --standalone --nproc-per-node 2 tools/bench_moe_layer_ep.py --smoke   # CPU (gloo), a tiny shape
 
 Shapes (hidden H, expert ffn F, experts E, top-k K): ``qwen3_30b_a3b`` (2048, 768, 128, 8) and ``mixtral`` (4096,
 14336, 8, 2), each at every --tokens per rank (default 4096 and 16384). The layer is moe_core's ``MoELayer``:
 softmax router in fp32 over all experts, top-k renormalised, SwiGLU GroupedMLP experts, no bias, no aux loss, bf16
-weights, eager.
+weights, eager unless --compile (``torch.compile`` of each provider's layer, ep1 included; with
+--moe-dispatch-sync-free the EP layer traces whole).
 
 Providers, per shape and tokens: ``ep1``, the layer with all E experts on one GPU and T tokens, run on every rank at
 once on its own GPU (no communication; the same per-GPU work as EP in expectation); ``ep``, the layer with EP = the
@@ -53,12 +55,13 @@ PASSES = ("forward", "backward")
 
 
 def layer_config(hidden: int, ffn: int, experts: int, topk: int, ep: int = 1, dispatcher: str = "alltoall",
-                 shared: int | None = None, overlap: bool = False) -> TransformerConfig:
+                 shared: int | None = None, overlap: bool = False, sync_free: bool = False) -> TransformerConfig:
     return TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1, num_moe_experts=experts,
                              moe_router_topk=topk, moe_ffn_hidden_size=ffn, activation_func="swiglu",
                              moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                              moe_shared_expert_intermediate_size=shared, moe_shared_expert_overlap=overlap,
-                             moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=ep)
+                             moe_token_dispatcher_type=dispatcher, moe_dispatch_sync_free=sync_free,
+                             expert_model_parallel_size=ep)
 
 
 def ep_layer(full: MoELayer, config: TransformerConfig, pg: ProcessGroupCollection) -> MoELayer:
@@ -78,7 +81,7 @@ def step_phases(layer: MoELayer, x: torch.Tensor, dy: torch.Tensor):
     yield "backward"
 
 
-def timed_rows(layer: MoELayer, x, dy, args, device, base: dict) -> list[dict]:
+def timed_rows(layer: torch.nn.Module, x, dy, args, device, base: dict) -> list[dict]:
     times = lockstep_ms(lambda: step_phases(layer, x, dy), args.iters, args.warmup, device)
     stats = slowest_rank([f(times[p]) for p in PASSES for f in (statistics.median, min)], device)
     return [dict(base, median_ms=stats[2 * i], min_ms=stats[2 * i + 1], **{"pass": p}) for i, p in enumerate(PASSES)]
@@ -86,6 +89,7 @@ def timed_rows(layer: MoELayer, x, dy, args, device, base: dict) -> list[dict]:
 
 def bench_shape(name: str, spec: tuple, tokens: int, args, pg: ProcessGroupCollection, device, dtype) -> list[dict]:
     hidden, ffn, experts, topk = spec
+    torch._dynamo.reset()  # a fresh compile per shape: no recompile limit, no automatic dynamic shapes
     torch.manual_seed(0)  # the same full layer on every rank
     with torch.device(device):
         full = MoELayer(layer_config(*spec, shared=args.shared_expert_size)).to(dtype)
@@ -93,17 +97,19 @@ def bench_shape(name: str, spec: tuple, tokens: int, args, pg: ProcessGroupColle
     x = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
     dy = torch.randn(tokens, hidden, generator=g).to(device, dtype)
     base = dict(shape=name, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, topk=topk, ep=pg.ep_size,
-                dtype=str(dtype).removeprefix("torch."), shared_expert_size=args.shared_expert_size)
+                dtype=str(dtype).removeprefix("torch."), shared_expert_size=args.shared_expert_size,
+                sync_free=args.moe_dispatch_sync_free, compiled=args.compile)
+    compiled = torch.compile if args.compile else (lambda layer: layer)
     with torch.no_grad():
         reference = full(x)
-    rows = timed_rows(full, x, dy, args, device, dict(base, provider="ep1", dispatcher=None))
+    rows = timed_rows(compiled(full), x, dy, args, device, dict(base, provider="ep1", dispatcher=None))
     free_memory()
     variants = [("ep", False)] + ([("ep_overlap", True)] if args.shared_expert_size else [])
     for dispatcher in args.dispatchers:
         for provider, overlap in variants:
             config = layer_config(*spec, ep=pg.ep_size, dispatcher=dispatcher, shared=args.shared_expert_size,
-                                  overlap=overlap)
-            layer = ep_layer(full, config, pg)
+                                  overlap=overlap, sync_free=args.moe_dispatch_sync_free)
+            layer = compiled(ep_layer(full, config, pg))
             with torch.no_grad():
                 diff = (layer(x).float() - reference.float()).abs().max().item() if tokens else 0.0
             rows += timed_rows(layer, x, dy, args, device,
@@ -146,6 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dispatchers", nargs="+", choices=sorted(EP_DISPATCHERS), default=["alltoall"])
     parser.add_argument("--shared-expert-size", type=int, default=None,
                         help="add a shared expert of this width; time moe_shared_expert_overlap off and on")
+    parser.add_argument("--moe-dispatch-sync-free", action="store_true",
+                        help="the EP providers dispatch without a host sync (moe_dispatch_sync_free)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile every provider's layer")
     parser.add_argument("--iters", type=int, help="timed iterations (default 20; --smoke 2)")
     parser.add_argument("--warmup", type=int, help="untimed iterations first (default 5; --smoke 1)")
     parser.add_argument("--smoke", action="store_true", help="a tiny float32 shape, a few iterations (CPU / gloo)")

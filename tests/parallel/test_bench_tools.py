@@ -28,10 +28,9 @@ def _dispatch_rows() -> list[dict]:
     return bench.run(args, groups(2, 8))
 
 
-def _moe_layer_rows() -> list[dict]:
+def _moe_layer_rows(flags: list[str]) -> list[dict]:
     bench = _tool("bench_moe_layer_ep")
-    return bench.run(bench.parse_args(["--smoke", "--dispatchers", "alltoall", "allgather", "--shared-expert-size",
-                                       "16"]), groups(2, 8))
+    return bench.run(bench.parse_args(["--smoke", *flags]), groups(2, 8))
 
 
 def _pretrain_rows() -> list[dict]:
@@ -70,7 +69,8 @@ def test_bench_dispatch_times_each_dispatcher_beside_the_replay_of_its_collectiv
 
 
 def test_bench_moe_layer_ep_compares_ep_with_one_gpu_on_the_same_weights():
-    rows = run_distributed(2, _moe_layer_rows, timeout=120)[0]
+    rows = run_distributed(2, _moe_layer_rows, timeout=120,
+                           flags=["--dispatchers", "alltoall", "allgather", "--shared-expert-size", "16"])[0]
     providers = {(r["provider"], r["dispatcher"], r["pass"]) for r in rows}
     assert providers == {(p, d, s) for p, d in [("ep1", None), ("ep", "alltoall"), ("ep_overlap", "alltoall"),
                                                 ("ep", "allgather"), ("ep_overlap", "allgather")]
@@ -78,6 +78,15 @@ def test_bench_moe_layer_ep_compares_ep_with_one_gpu_on_the_same_weights():
     for r in rows:
         assert r["median_ms"] > 0 and r["vs_ep1"] > 0
         assert r.get("max_abs_diff", 0.0) < 1e-5  # float32: EP computes the one-GPU layer's function
+
+
+def test_bench_moe_layer_ep_compiles_the_sync_free_layer():
+    rows = run_distributed(2, _moe_layer_rows, timeout=300, flags=["--moe-dispatch-sync-free", "--compile"])[0]
+    assert {(r["provider"], r["pass"]) for r in rows} == {(p, s) for p in ("ep1", "ep")
+                                                          for s in ("forward", "backward")}
+    for r in rows:
+        assert r["sync_free"] and r["compiled"] and r["median_ms"] > 0
+        assert r.get("max_abs_diff", 0.0) < 1e-5  # float32: the compiled EP layer computes the one-GPU function
 
 
 def test_bench_pretrain_under_ep_reports_both_layouts():
