@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
         parser.add_argument(flag, dest=field, type=kind, default=None)
     parser.add_argument("--data-path", dest="data_path", nargs="+", default=None, help="text or JSONL files")
     parser.add_argument("--bf16", dest="bf16", action=argparse.BooleanOptionalAction, default=None,
-                        help="bf16 autocast on CUDA (default on)")
+                        help="bf16 on CUDA (default on): autocast, or FSDP2's MixedPrecisionPolicy with "
+                             "--use-torch-fsdp2")
     parser.add_argument("--use-torch-fsdp2", dest="use_torch_fsdp2", action="store_true", default=None)
     parser.add_argument("--finetune", dest="finetune", action="store_true", default=None,
                         help="with --load: the model's weights only; fresh optimizer, schedule and step "

@@ -105,6 +105,50 @@ def test_compiled_ep2_follows_single_process(tmp_path, dispatcher, sync_free, cu
         assert all(r["cuda_graphs"] > 0 for r in ranks), ranks
 
 
+def test_compiled_fsdp2_ep2_bf16_follows_single_process(tmp_path):
+    """FSDP2 x EP = 2, each block compiled, fused AdamW (foreach on CPU), bf16 on (FSDP2's MixedPrecisionPolicy on
+    CUDA; ignored on CPU): the TRL report's FSDP + EP + compile optimizer crash does not happen, and training follows
+    the single-process run (autocast there, so on CUDA within bf16 rounding)."""
+    model_cfg, train_cfg = _configs(1, str(tmp_path / "single"), False, bf16=True)
+    single = pretrain(model_cfg, train_cfg, log=lambda *_: None)
+    ranks = run_distributed(2, _pretrain, timeout=240, ep=2, output_dir=str(tmp_path / "ep2"), fsdp2=True,
+                            compile=True, bf16=True)
+    rtol = 3e-2 if BACKEND == "nccl" else 1e-4
+    torch.testing.assert_close(torch.tensor(ranks[0]["train"]), torch.tensor(single.train_losses), rtol=rtol, atol=0)
+    torch.testing.assert_close(ranks[0]["end"], single.end_valid_loss, rtol=rtol, atol=0)
+
+
+def _fsdp2_bf16_dtypes(output_dir: str) -> dict:
+    """One forward and backward of the FSDP2 x EP = 2 model with bf16 on: the dtype the experts and the router
+    receive, and the gradients' dtypes."""
+    model_cfg, train_cfg = _configs(2, output_dir, True, bf16=True)
+    state = setup_training(model_cfg, train_cfg, groups(2, 4))
+    seen = {}
+
+    def record(name: str):
+        def hook(_module, args) -> None:
+            seen.setdefault(name, args[0].dtype)
+        return hook
+
+    layer = state.model.moe_layers()[0]
+    layer.experts.register_forward_pre_hook(record("experts"))
+    layer.router.register_forward_pre_hook(record("router"))
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0)).to(state.device)
+    state.model(tokens, tokens).mean().backward()
+    grads = {str(p.grad.dtype) for p in state.model.parameters() if p.grad is not None}
+    return {"experts": str(seen["experts"]), "router": str(seen["router"]), "grads": sorted(grads),
+            "autocast": str(state.autocast_dtype)}
+
+
+def test_fsdp2_bf16_is_the_mixed_precision_policy():
+    """Under FSDP2, bf16 is FSDP2's MixedPrecisionPolicy on CUDA (no autocast): the layers compute on bf16
+    parameters and activations, the gradients land in float32 on the sharded parameters; on CPU bf16 is off."""
+    ranks = run_distributed(2, _fsdp2_bf16_dtypes, timeout=120, output_dir="unused")
+    compute = "torch.bfloat16" if BACKEND == "nccl" else "torch.float32"
+    for r in ranks:
+        assert r == {"experts": compute, "router": compute, "grads": ["torch.float32"], "autocast": "None"}, r
+
+
 def _imbalance(counts: list[list[list[int]]]) -> float:
     """``ep_load_imbalance`` of MoE layers whose routers hold ``counts[layer][rank]`` as this rank's loads."""
     import torch.distributed as dist
