@@ -68,7 +68,8 @@ class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
 
     @torch.compiler.disable
     def combine(self, expert_output: torch.Tensor, meta: AllGatherDispatchMeta) -> torch.Tensor:
-        """Scatter-add ``expert_output`` [R, H] into the gathered tokens, then keep this rank's [T, H] sum."""
+        """Sum each gathered token's rows of ``expert_output`` [R, H] (unpermute's gather-sum), then keep this rank's
+        [T, H] sum over the EP ranks (reduce-scatter)."""
         out_GH = unpermute(expert_output, meta.row_map)
         return reduce_scatter_first_dim(out_GH, self.ep_group)
 

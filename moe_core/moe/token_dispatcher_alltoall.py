@@ -31,8 +31,9 @@ same T.
 Expert rows (drop_and_pad, whose static shapes need a row per (token, expert) and capacity slot; and L = 1, where
 both layouts coincide): Megatron's layout.
 
-dispatch:  exchange the per-expert counts unless drop_and_pad (static), copy to the host and wait
-           permute [T, H] -> [R_s, W] rank-major then local-expert-major (global expert order), probs in the tails
+dispatch:  exchange the per-expert counts unless drop_and_pad (static), copy to the host
+           permute [T, H] -> [R_s, W] rank-major then local-expert-major (global expert order), probs in the tails;
+           then wait for the counts' copy (the permute runs while they travel)
            all_to_all                                       -> [R, W] grouped by (source rank, local expert)
            one gather by a device-computed index sorts by local expert and unpacks -> [R, H], probs [R]
 combine:   one gather back to (source rank, local expert) order -> reverse all_to_all -> unpermute (gather-sum)
