@@ -138,3 +138,19 @@ def test_layer_compiles_without_graph_breaks(kw):
     want_grads = torch.autograd.grad(want.square().sum(), [hidden, *layer.parameters()])
     for g, w in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["autocast", "negative_control"])
+def test_rows_reach_the_experts_in_the_autocast_dtype(autocast):
+    """Under bf16 autocast the float32 tokens are cast once, inside the permute: the experts receive bf16 rows and
+    the combined output is bf16; without autocast the rows stay float32."""
+    layer = make_layer(torch.float32, moe_router_dtype="fp32")
+    seen = []
+    layer.experts.register_forward_pre_hook(lambda _module, args: seen.append(args[0].dtype))
+    x = torch.randn(2, 5, HIDDEN, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        out = layer(x)
+    out.float().sum().backward()
+    expected = torch.bfloat16 if autocast else torch.float32
+    assert seen == [expected] and out.dtype == expected
+    assert x.grad.dtype == torch.float32 and layer.experts.fc1.weight.grad.dtype == torch.float32
