@@ -60,17 +60,20 @@ def iteration_ms(fn, iters: int, device: torch.device, inputs: list | tuple = ((
 
 
 def timed(fn, iters: int, warmup: int, device: torch.device) -> dict:
-    """``fn()`` run ``warmup`` times, then timed ``iters`` times (``iteration_ms``): ``median_ms``, ``min_ms``,
-    ``max_ms``, ``spread`` (the 10th to 90th percentile range over the median; 0 for one iteration) and
-    ``iters``."""
+    """``fn()`` run ``warmup`` times, then timed ``iters`` times (``iteration_ms``), ``summarize``d."""
     for _ in range(warmup):
         fn()
     synchronize(device)
-    samples = iteration_ms(fn, iters, device)
+    return summarize(iteration_ms(fn, iters, device))
+
+
+def summarize(samples: list[float]) -> dict:
+    """``median_ms``, ``min_ms``, ``max_ms``, ``spread`` (the 10th to 90th percentile range over the median; 0 for
+    one sample) and ``iters`` of per-iteration times in ms."""
     median = statistics.median(samples)
     deciles = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else [median] * 9
     return dict(median_ms=median, min_ms=min(samples), max_ms=max(samples),
-                spread=(deciles[8] - deciles[0]) / median if median else 0.0, iters=iters)
+                spread=(deciles[8] - deciles[0]) / median if median else 0.0, iters=len(samples))
 
 
 def peak_memory_gib(fn, device: torch.device) -> float | None:

@@ -19,7 +19,8 @@ other experts: each row's ``max_abs_diff`` against moe_core eager's output is th
 
 Passes: ``fwd``, the forward of a training step (autograd records), and ``fwd+bwd``, then the gradients of the
 input and of every weight (``torch.autograd.grad``, nothing accumulates). Each provider and pass: CUDA-event
-times per iteration after warm-up (median, 10-90 percentile spread); ``peak_gib``, the peak of one call above
+times per iteration after warm-up (median, 10-90 percentile spread), taken in --rounds rounds that time every
+provider in turn (all providers are built first and held); ``peak_gib``, the peak of one call above
 the memory allocated before it; one torch.profiler pass (``--profile-steps`` calls) summing kernel time into GEMM
 (names matching ``_bench_common.GEMM``) and the rest, with the top 5 non-GEMM kernels. TFLOP/s count the
 expert GEMMs only: 6 T K H F per forward, three times that for fwd+bwd. Speed-ups are the reference's median
@@ -45,12 +46,14 @@ from _bench_common import (  # noqa: E402
     error_message,
     fmt,
     free_memory,
+    iteration_ms,
     kernel_times,
     peak_memory_gib,
     ratio,
     run_metadata,
     single_thread,
-    timed,
+    summarize,
+    synchronize,
 )
 from _bench_common import (
     print_table as print_rows,
@@ -164,10 +167,31 @@ def pass_fn(fn, params: list, x: torch.Tensor, dy: torch.Tensor, name: str):
     return lambda: torch.autograd.grad(fn(x), [x, *params], dy, allow_unused=True)
 
 
-def measure(fn, iters: int, args, device: torch.device) -> dict:
-    """Timing, peak memory and (unless --profile-steps 0) the GEMM / rest split of one provider and pass."""
-    row = timed(fn, iters, args.warmup, device)
-    row["peak_gib"] = peak_memory_gib(fn, device)
+def timed_in_rounds(fns: dict, iters: dict, args, device: torch.device) -> tuple[dict, dict]:
+    """``({key: summarize(samples)}, {key: error})`` for ``fns`` ``{key: fn}``: ``iters[key]`` timed calls each,
+    split into ``args.rounds`` rounds that take the keys in turn, so that the machine's drift (the host's speed
+    sets the pace of small layers) falls on every provider alike. The first round warms each key up with
+    ``args.warmup`` calls, later ones with one. A key that fails is dropped from later rounds."""
+    samples, errors = {key: [] for key in fns}, {}
+    for round_index in range(args.rounds):
+        for key, fn in fns.items():
+            if key in errors:
+                continue
+            count = iters[key] // args.rounds + (round_index < iters[key] % args.rounds)
+            try:
+                for _ in range(args.warmup if round_index == 0 else 1):
+                    fn()
+                synchronize(device)
+                samples[key] += iteration_ms(fn, count, device) if count else []
+            except Exception as err:  # noqa: BLE001  (OOM, a failing kernel: recorded, the others go on)
+                errors[key] = err
+                free_memory()
+    return {key: summarize(samples[key]) for key in fns if key not in errors}, errors
+
+
+def profile_row(fn, args, device: torch.device) -> dict:
+    """Peak memory and (unless --profile-steps 0) the GEMM / rest split of one provider and pass."""
+    row = dict(peak_gib=peak_memory_gib(fn, device))
     if args.profile_steps:
         split = breakdown(kernel_times(fn, args.profile_steps, device), {"gemm": GEMM})
         gemm, rest = split["ms"]["gemm"], split["ms"]["rest"]
@@ -188,29 +212,36 @@ def bench_shape(shape: str, spec: tuple, args, device: torch.device, dtype: torc
     reference = layer(x).detach()
     base = dict(shape=shape, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, topk=topk,
                 dtype=str(dtype).removeprefix("torch."))
-    rows = []
-    for provider in args.providers:
-        iters = max(2, args.iters // 4) if provider == "sequential" else args.iters
+    rows, fns, iters = {}, {}, {}
+    for provider in args.providers:  # every provider is built (and held) before any is timed
         try:
             fn, params = build_provider(provider, layer, args)
             diff = (fn(x).detach().float() - reference.float()).abs().max().item()
         except Exception as err:  # noqa: BLE001  (compile failure, OOM, missing transformers: recorded, go on)
-            rows += [dict(base, provider=provider, error=_report(shape, provider, "build", err), **{"pass": p})
-                     for p in args.passes]
+            for p in args.passes:
+                rows[provider, p] = dict(base, provider=provider, error=_report(shape, provider, "build", err),
+                                         **{"pass": p})
             free_memory()
             continue
         for name in args.passes:
-            row = dict(base, provider=provider, max_abs_diff=diff, **{"pass": name})
-            try:
-                row.update(measure(pass_fn(fn, params, x, dy, name), iters, args, device))
-                flops = (6 if name == "fwd" else 18) * tokens * topk * hidden * ffn
-                row["tflops"] = flops / row["median_ms"] / 1e9
-            except Exception as err:  # noqa: BLE001
-                row["error"] = _report(shape, provider, name, err)
-            rows.append(row)
-            free_memory()
-        del fn, params
+            rows[provider, name] = dict(base, provider=provider, max_abs_diff=diff, **{"pass": name})
+            fns[provider, name] = pass_fn(fn, params, x, dy, name)
+            iters[provider, name] = max(2, args.iters // 4) if provider == "sequential" else args.iters
+    times, errors = timed_in_rounds(fns, iters, args, device)
+    for key, fn in fns.items():
+        row = rows[key]
+        try:
+            if key in errors:
+                raise errors[key]
+            row.update(times[key], **profile_row(fn, args, device))
+            flops = (6 if key[1] == "fwd" else 18) * tokens * topk * hidden * ffn
+            row["tflops"] = flops / row["median_ms"] / 1e9
+        except Exception as err:  # noqa: BLE001
+            row["error"] = _report(shape, key[0], key[1], err)
         free_memory()
+    del fns
+    free_memory()
+    rows = [rows[p, name] for p in args.providers for name in args.passes]
     for row in rows:
         for ref in REFERENCES:
             peer = next((r for r in rows if r["provider"] == ref and r["pass"] == row["pass"]), {})
@@ -246,6 +277,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES))
     parser.add_argument("--iters", type=int, help="timed iterations (default 20; --smoke 2)")
     parser.add_argument("--warmup", type=int, help="untimed iterations first (default 5; --smoke 1)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="the timed iterations split into rounds that take the providers in turn (default 4)")
     parser.add_argument("--profile-steps", type=int, default=3, help="calls under the profiler (0: no profile)")
     parser.add_argument("--no-fullgraph", dest="fullgraph", action="store_false",
                         help="let torch.compile break the graph")
@@ -257,6 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke and args.shapes:
         parser.error("--shapes: --smoke runs its own tiny shape")
+    if args.rounds < 1:
+        parser.error(f"--rounds: expected at least 1, got {args.rounds}")
     args.iters = args.iters or (2 if args.smoke else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
     args.compile_backend = args.compile_backend or ("aot_eager" if args.smoke else "inductor")

@@ -5,6 +5,10 @@ eager and compiled.
 Legend: T tokens, H hidden, E experts.
 """
 
+import json
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -65,3 +69,25 @@ def test_bad_arguments_raise():
         router_gating_linear(x, weight, torch.bfloat16)
     with pytest.raises(ValueError, match="x_TH / weight_EH"):
         router_gating_linear(x, torch.randn(4, 15), torch.float32)
+
+
+def _peak_mib(fn) -> float:
+    """MiB allocated at the peak of ``fn()`` on the CPU above what was allocated when it started (the profiler's
+    memory events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
+    return (max(e["args"]["Total Allocated"] for e in memory) - start) / 2**20
+
+
+def test_backward_holds_one_float32_copy_at_a_time():
+    """grad_x's and grad_weight's float32 [T, H] temporaries (the widened product, then x's copy) never coexist:
+    peak = one copy (16 MiB) + grad_x in bf16 (8 MiB), where both copies would make it 40 MiB."""
+    x = torch.randn(4096, 1024, dtype=torch.bfloat16)
+    weight, grad = torch.randn(16, 1024), torch.randn(4096, 16)
+    peak = _peak_mib(lambda: torch.ops.moe_core.router_gating_linear_backward(grad, x, weight))
+    assert 16 <= peak < 32, peak

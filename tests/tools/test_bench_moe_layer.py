@@ -121,6 +121,29 @@ def test_a_failing_provider_is_recorded_and_the_others_run(tmp_path):
     assert ran["provider"] == "native" and "error" not in ran and ran["median_ms"] > 0
 
 
+def test_rounds_take_the_providers_in_turn():
+    """Timed calls split over rounds, provider after provider (each round's warm-up first); a provider that fails
+    leaves the later rounds, the others keep their counts."""
+    calls = []
+
+    def provider(name: str, fail_on: int | None = None):
+        def fn():
+            calls.append(name)
+            if fail_on is not None and len(calls) >= fail_on:
+                raise RuntimeError("out of memory")
+        return fn
+
+    args = bench.parse_args(["--smoke", "--rounds", "2", "--warmup", "1"])
+    times, errors = bench.timed_in_rounds({"a": provider("a"), "b": provider("b")}, {"a": 3, "b": 2}, args,
+                                          torch.device("cpu"))
+    assert calls == ["a"] * 3 + ["b"] * 2 + ["a"] * 2 + ["b"] * 2  # warm-up + 2 / 1, then warm-up + 1 / 1
+    assert (times["a"]["iters"], times["b"]["iters"], errors) == (3, 2, {})
+    calls.clear()
+    times, errors = bench.timed_in_rounds({"a": provider("a"), "b": provider("b", fail_on=4)}, {"a": 3, "b": 2},
+                                          args, torch.device("cpu"))
+    assert calls == ["a"] * 3 + ["b"] + ["a"] * 2 and list(errors) == ["b"] and times["a"]["iters"] == 3
+
+
 @pytest.mark.gpu
 def test_cuda_native_layer_is_as_accurate_as_moe_core_in_bf16():
     """torch._grouped_mm's path on CUDA: its bf16 error against float64 at most twice moe_core's bf16 error.
