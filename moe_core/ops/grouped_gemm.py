@@ -129,40 +129,8 @@ def _grouped_gemm_wgrad_accum_fake(main_grad, x, dy, tokens_per_expert, trans_we
     return None
 
 
-# Autograd of moe_core::grouped_gemm lives in C++ (csrc/autograd.cpp): a Python autograd kernel would add
-# host time to every call (docs/kernels.md).
-
-
-def _wgrad_setup_context(ctx, inputs, output):
-    x, dy, tokens_per_expert, trans_weight = inputs
-    ctx.save_for_backward(x, dy, tokens_per_expert)
-    ctx.trans_weight = trans_weight
-
-
-def _wgrad_backward(ctx, grad_dw):
-    """Backward of ``dw[e] = x_e^T dy_e`` (``dw[e]^T`` with trans_weight) for a gradient G of dw's shape:
-    ``d x_e = dy_e G[e]^T`` and ``d dy_e = x_e G[e]`` (G[e] transposed in both with trans_weight), each one
-    grouped GEMM of the differentiable forward op, so higher derivatives work too."""
-    x, dy, tokens_per_expert = ctx.saved_tensors
-    grad_dw = grad_dw.contiguous()
-    dx = ddy = None
-    if ctx.needs_input_grad[0]:
-        dx = torch.ops.moe_core.grouped_gemm(dy, grad_dw, tokens_per_expert, not ctx.trans_weight)
-    if ctx.needs_input_grad[1]:
-        ddy = torch.ops.moe_core.grouped_gemm(x, grad_dw, tokens_per_expert, ctx.trans_weight)
-    return dx, ddy, None, None
-
-
-torch.library.register_autograd("moe_core::grouped_gemm_wgrad", _wgrad_backward, setup_context=_wgrad_setup_context)
-
-
-def _wgrad_fp32_backward(ctx, grad_dw):
-    """``_wgrad_backward`` with the float32 gradient brought to the operands' dtype."""
-    return _wgrad_backward(ctx, grad_dw.to(ctx.saved_tensors[0].dtype))
-
-
-torch.library.register_autograd("moe_core::grouped_gemm_wgrad_fp32", _wgrad_fp32_backward,
-                                setup_context=_wgrad_setup_context)
+# Autograd of moe_core::grouped_gemm and of its wgrads (their double backward) lives in C++ (csrc/autograd.cpp): a
+# Python autograd kernel would add host time to every call (docs/kernels.md).
 
 
 class _GroupedGemmMainGrad(torch.autograd.Function):
