@@ -61,8 +61,11 @@ at::Tensor gating_autograd(const at::Tensor& x, const at::Tensor& weight, at::Sc
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(moe_core, CompositeExplicitAutograd, m) {
-  m.impl("router_gating_linear", &gating_forward);
+TORCH_LIBRARY_IMPL(moe_core, CompositeExplicitAutograd, m) { m.impl("router_gating_linear", &gating_forward); }
+
+// The backward is ATen ops all the way down: autograd differentiates through them (double backward) and tracing
+// decomposes it.
+TORCH_LIBRARY_IMPL(moe_core, CompositeImplicitAutograd, m) {
   m.impl("router_gating_linear_backward", &gating_backward);
 }
 

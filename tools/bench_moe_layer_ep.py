@@ -87,9 +87,16 @@ def timed_rows(layer: torch.nn.Module, x, dy, args, device, base: dict) -> list[
     return [dict(base, median_ms=stats[2 * i], min_ms=stats[2 * i + 1], **{"pass": p}) for i, p in enumerate(PASSES)]
 
 
+def _compiled(layer: MoELayer) -> torch.nn.Module:
+    """``torch.compile(layer)`` from a fresh Dynamo cache: every layer shares ``MoELayer.forward``'s code object, whose
+    cache would otherwise reach the recompile limit and run later layers eagerly; past the limit, fail."""
+    torch._dynamo.reset()
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    return torch.compile(layer)
+
+
 def bench_shape(name: str, spec: tuple, tokens: int, args, pg: ProcessGroupCollection, device, dtype) -> list[dict]:
     hidden, ffn, experts, topk = spec
-    torch._dynamo.reset()  # a fresh compile per shape: no recompile limit, no automatic dynamic shapes
     torch.manual_seed(0)  # the same full layer on every rank
     with torch.device(device):
         full = MoELayer(layer_config(*spec, shared=args.shared_expert_size)).to(dtype)
@@ -99,7 +106,7 @@ def bench_shape(name: str, spec: tuple, tokens: int, args, pg: ProcessGroupColle
     base = dict(shape=name, tokens=tokens, hidden=hidden, ffn=ffn, experts=experts, topk=topk, ep=pg.ep_size,
                 dtype=str(dtype).removeprefix("torch."), shared_expert_size=args.shared_expert_size,
                 sync_free=args.moe_dispatch_sync_free, compiled=args.compile)
-    compiled = torch.compile if args.compile else (lambda layer: layer)
+    compiled = _compiled if args.compile else (lambda layer: layer)
     with torch.no_grad():
         reference = full(x)
     rows = timed_rows(compiled(full), x, dy, args, device, dict(base, provider="ep1", dispatcher=None))
@@ -110,8 +117,8 @@ def bench_shape(name: str, spec: tuple, tokens: int, args, pg: ProcessGroupColle
             config = layer_config(*spec, ep=pg.ep_size, dispatcher=dispatcher, shared=args.shared_expert_size,
                                   overlap=overlap, sync_free=args.moe_dispatch_sync_free)
             layer = compiled(ep_layer(full, config, pg))
-            with torch.no_grad():
-                diff = (layer(x).float() - reference.float()).abs().max().item() if tokens else 0.0
+            # With grad on, as timed: one compiled graph per layer.
+            diff = (layer(x).detach().float() - reference.float()).abs().max().item() if tokens else 0.0
             rows += timed_rows(layer, x, dy, args, device,
                                dict(base, provider=provider, dispatcher=dispatcher,
                                     max_abs_diff=slowest_rank([diff], device)[0]))

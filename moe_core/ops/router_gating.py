@@ -1,5 +1,6 @@
 """The router's logits GEMM in its own dtype (Megatron's ``router_gating_linear``):
-``torch.ops.moe_core.router_gating_linear``, a C++ op (``csrc/router_gating.cpp``: forward, backward, autograd).
+``torch.ops.moe_core.router_gating_linear``, a C++ op (``csrc/router_gating.cpp``: forward, backward, autograd;
+its backward is composite, so double backward and tracing go through its ATen ops).
 
 Legend: T tokens, H hidden, E experts.
 
@@ -22,10 +23,6 @@ import moe_core._C  # noqa: F401  (registers torch.ops.moe_core.*)
 def _(x_TH, weight_EH, dtype):
     return x_TH.new_empty((x_TH.shape[0], weight_EH.shape[0]), dtype=dtype)
 
-
-@torch.library.register_fake("moe_core::router_gating_linear_backward")
-def _(grad_TE, x_TH, weight_EH):
-    return torch.empty_like(x_TH), torch.empty_like(weight_EH)
 
 
 def router_gating_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -7,6 +7,7 @@ Legend: T tokens, H hidden, E experts.
 
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,21 @@ def test_backward_holds_one_float32_copy_at_a_time():
     weight, grad = torch.randn(16, 1024), torch.randn(4096, 16)
     peak = _peak_mib(lambda: torch.ops.moe_core.router_gating_linear_backward(grad, x, weight))
     assert 16 <= peak < 32, peak
+
+
+def test_double_backward_equals_the_expression():
+    """Gradients of gradients (a gradient penalty through the router) go through the backward's ATen ops: the
+    expression's values, and no autograd fallback warning."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def penalty(fn):
+        grads = torch.autograd.grad(fn(x, weight, torch.float64).square().sum(), (x, weight), create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in grads), (x, weight))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = penalty(router_gating_linear)
+    for g, w in zip(got, penalty(expression), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)

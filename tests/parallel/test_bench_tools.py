@@ -33,6 +33,14 @@ def _moe_layer_rows(flags: list[str]) -> list[dict]:
     return bench.run(bench.parse_args(["--smoke", *flags]), groups(2, 8))
 
 
+def _compiled_moe_layer_rows(flags: list[str]) -> dict:
+    """The rows, and the graphs Dynamo compiled for each layer's forward: the frames it converted in all."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    return {"rows": _moe_layer_rows(flags), "frames": counters["stats"]["unique_graphs"]}
+
+
 def _pretrain_rows() -> list[dict]:
     bench = _tool("bench_pretrain")
     return bench.run(bench.parse_args(["--smoke", "--providers", "moe_core"]), groups(2, 4))
@@ -81,9 +89,13 @@ def test_bench_moe_layer_ep_compares_ep_with_one_gpu_on_the_same_weights():
 
 
 def test_bench_moe_layer_ep_compiles_the_sync_free_layer():
-    rows = run_distributed(2, _moe_layer_rows, timeout=300, flags=["--moe-dispatch-sync-free", "--compile"])[0]
+    got = run_distributed(2, _compiled_moe_layer_rows, timeout=300,
+                          flags=["--moe-dispatch-sync-free", "--compile"])[0]
+    rows = got["rows"]
     assert {(r["provider"], r["pass"]) for r in rows} == {(p, s) for p in ("ep1", "ep")
                                                           for s in ("forward", "backward")}
+    print("frames", got["frames"])
+    assert got["frames"] >= 2, got["frames"]  # each layer's forward ran compiled, the one-GPU and the EP layer
     for r in rows:
         assert r["sync_free"] and r["compiled"] and r["median_ms"] > 0
         assert r.get("max_abs_diff", 0.0) < 1e-5  # float32: the compiled EP layer computes the one-GPU function
