@@ -9,7 +9,7 @@ TORCH_LIBRARY(moe_core, m) {
   m.def("grouped_gemm_wgrad_accum_(Tensor(a!) main_grad, Tensor x, Tensor dy, Tensor tokens_per_expert, "
         "bool trans_weight) -> ()");
   m.def("router_gating_linear(Tensor x, Tensor weight, ScalarType dtype) -> Tensor");
-  m.def("router_gating_linear_backward(Tensor grad, Tensor x, Tensor weight) -> (Tensor, Tensor)");
+  m.def("router_gating_linear_backward(Tensor grad, Tensor x, Tensor weight, bool[2] output_mask) -> (Tensor, Tensor)");
 }
 
 extern "C" PyObject* PyInit__C(void) {

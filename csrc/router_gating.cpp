@@ -18,14 +18,17 @@ at::Tensor gating_forward(const at::Tensor& x, const at::Tensor& weight, at::Sca
   return at::mm(x.to(dtype), weight.to(dtype).t());
 }
 
-// grad [T, E] in the forward's dtype -> (grad_x in x's dtype, grad_weight in the weight's). One statement each: a
-// temporary lives to the end of its full expression, and the two [T, H] `dtype` temporaries must not coexist.
+// grad [T, E] in the forward's dtype -> (grad_x in x's dtype, grad_weight in the weight's), each only where
+// output_mask asks (an undefined tensor otherwise: a frozen router skips its weight's GEMM and x's float32 copy). One
+// statement each: a temporary lives to the end of its full expression, and the two [T, H] `dtype` temporaries must
+// not coexist.
 std::tuple<at::Tensor, at::Tensor> gating_backward(const at::Tensor& grad, const at::Tensor& x,
-                                                   const at::Tensor& weight) {
+                                                   const at::Tensor& weight, std::array<bool, 2> output_mask) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
   const auto dtype = grad.scalar_type();
-  auto grad_x = at::mm(grad, weight.to(dtype)).to(x.scalar_type());
-  auto grad_weight = at::mm(grad.t(), x.to(dtype)).to(weight.scalar_type());
+  at::Tensor grad_x, grad_weight;
+  if (output_mask[0]) grad_x = at::mm(grad, weight.to(dtype)).to(x.scalar_type());
+  if (output_mask[1]) grad_weight = at::mm(grad.t(), x.to(dtype)).to(weight.scalar_type());
   return {std::move(grad_x), std::move(grad_weight)};
 }
 
@@ -47,10 +50,12 @@ class RouterGating : public torch::autograd::Function<RouterGating> {
     static const auto op =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("moe_core::router_gating_linear_backward", "")
-            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+            .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                      std::array<bool, 2>)>();
     const auto saved = ctx->get_saved_variables();
     const auto dtype = ctx->saved_data["dtype"].toScalarType();
-    auto [grad_x, grad_weight] = op.call(grads[0].to(dtype), saved[0], saved[1]);
+    auto [grad_x, grad_weight] =
+        op.call(grads[0].to(dtype), saved[0], saved[1], {ctx->needs_input_grad(0), ctx->needs_input_grad(1)});
     return {grad_x, grad_weight, at::Tensor()};
   }
 };

@@ -72,17 +72,18 @@ def test_bad_arguments_raise():
         router_gating_linear(x, torch.randn(4, 15), torch.float32)
 
 
-def _peak_mib(fn) -> float:
-    """MiB allocated at the peak of ``fn()`` on the CPU above what was allocated when it started (the profiler's
-    memory events)."""
+def _memory_mib(fn) -> tuple[float, float]:
+    """``(peak, allocated)`` of ``fn()`` on the CPU in MiB: the peak above what was allocated when it started, and
+    the sum of its allocations (the profiler's memory events)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
         events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
-    memory = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
-    start = memory[0]["args"]["Total Allocated"] - memory[0]["args"]["Bytes"]
-    return (max(e["args"]["Total Allocated"] for e in memory) - start) / 2**20
+    memory = sorted((e["args"] for e in events if e.get("name") == "[memory]"), key=lambda a: a["Total Allocated"])
+    start = min(a["Total Allocated"] - a["Bytes"] for a in memory)
+    peak = max(a["Total Allocated"] for a in memory) - start
+    return peak / 2**20, sum(a["Bytes"] for a in memory if a["Bytes"] > 0) / 2**20
 
 
 def test_backward_holds_one_float32_copy_at_a_time():
@@ -90,7 +91,7 @@ def test_backward_holds_one_float32_copy_at_a_time():
     peak = one copy (16 MiB) + grad_x in bf16 (8 MiB), where both copies would make it 40 MiB."""
     x = torch.randn(4096, 1024, dtype=torch.bfloat16)
     weight, grad = torch.randn(16, 1024), torch.randn(4096, 16)
-    peak = _peak_mib(lambda: torch.ops.moe_core.router_gating_linear_backward(grad, x, weight))
+    peak, _ = _memory_mib(lambda: torch.ops.moe_core.router_gating_linear_backward(grad, x, weight, [True, True]))
     assert 16 <= peak < 32, peak
 
 
@@ -110,3 +111,15 @@ def test_double_backward_equals_the_expression():
         got = penalty(router_gating_linear)
     for g, w in zip(got, penalty(expression), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_frozen_router_skips_its_weight_gradient():
+    """Only the gradients autograd asks for are computed: with the weight frozen, no float32 copy of x is made and
+    no weight GEMM runs, and x's gradient is unchanged."""
+    x = torch.randn(4096, 1024, dtype=torch.bfloat16, requires_grad=True)
+    weight, grad = torch.randn(16, 1024), torch.randn(4096, 16)
+    out = router_gating_linear(x, weight, torch.float32)
+    _, allocated = _memory_mib(lambda: out.backward(grad))
+    # grad_x: the float32 product (16 MiB) and its bf16 copy (8 MiB); x's float32 copy would add 16 MiB.
+    assert 24 <= allocated < 32, allocated
+    assert torch.equal(x.grad, torch.autograd.grad(expression(x, weight, torch.float32), x, grad)[0])
