@@ -1,9 +1,10 @@
 // Autograd of moe_core::grouped_gemm and of its wgrads (their double backward), registered at the Autograd dispatch
 // key in C++ (the pattern of torchvision's ops) rather than from Python: a Python autograd kernel adds host time to
-// every call, which an all-empty call cannot afford (docs/kernels.md), and every backward calls a wgrad. dgrad is the forward op with the weight transposed, wgrad
-// grouped_gemm_wgrad (exact zeros for empty experts, never undefined); both go through the dispatcher, so the
-// backward also traces under torch.compile (fake kernels in moe_core/ops/grouped_gemm.py). The same backward
-// serves autocast's float32-weight path (grouped_gemm_float32_weight), with grouped_gemm_wgrad_fp32 as its wgrad.
+// every call, which an all-empty call cannot afford (docs/kernels.md), and every backward calls a wgrad. dgrad is
+// the forward op with the weight transposed, wgrad grouped_gemm_wgrad (exact zeros for empty experts, never
+// undefined); both go through the dispatcher, so the backward also traces under torch.compile (fake kernels in
+// moe_core/ops/grouped_gemm.py). The same backward serves autocast's float32-weight path
+// (grouped_gemm_float32_weight), with grouped_gemm_wgrad_fp32 as its wgrad.
 #include <torch/autograd.h>
 #include <torch/library.h>
 
