@@ -1,6 +1,6 @@
 """The router's logits GEMM in its own dtype (Megatron's ``router_gating_linear``):
 ``torch.ops.moe_core.router_gating_linear``, a C++ op (``csrc/router_gating.cpp``: forward, backward, autograd;
-its backward is composite, so double backward and tracing go through its ATen ops).
+its backward an op too, with its own autograd for double backward).
 
 Legend: T tokens, H hidden, E experts.
 
@@ -8,8 +8,10 @@ Legend: T tokens, H hidden, E experts.
 op saves x and the weight as they come and its backward remakes their ``dtype`` copies, so a 16-bit x keeps no
 float32 copy (T x H x 4 bytes) alive from forward to backward. An op rather than tensor code because
 torch.compile's partitioner would save the copy anyway: it keeps a cast whose consumer is a GEMM on the forward
-side, while the copies inside an op are out of its reach. In C++ because a compiled layer calls it on every step:
-a Python op's dispatch costs host time where small layers are host-bound.
+side, while the copies inside an op are out of its reach. The backward is an op for the same reason: as ATen ops,
+Inductor may make x's copy at the start of the layer's backward and hold it through the expert GEMMs. In C++
+because a compiled layer calls it on every step: a Python op's dispatch costs host time where small layers are
+host-bound.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ import moe_core._C  # noqa: F401  (registers torch.ops.moe_core.*)
 def _(x_TH, weight_EH, dtype):
     return x_TH.new_empty((x_TH.shape[0], weight_EH.shape[0]), dtype=dtype)
 
+
+@torch.library.register_fake("moe_core::router_gating_linear_backward")
+def _(grad_TE, x_TH, weight_EH, output_mask):
+    return (torch.empty_like(x_TH) if output_mask[0] else None,
+            torch.empty_like(weight_EH) if output_mask[1] else None)
 
 
 def router_gating_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -58,10 +58,16 @@ def test_a_16_bit_x_is_saved_as_it_is(compiled):
     assert ((64, 32), torch.float32) in _saved(expression, x, weight, torch.float32)
 
 
-def test_opcheck():
+@pytest.mark.parametrize("output_mask", [(True, True), (True, False), (False, True)])
+def test_opcheck(output_mask):
     x = torch.randn(5, 16, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(4, 16, requires_grad=True)
     torch.library.opcheck(torch.ops.moe_core.router_gating_linear, (x, weight, torch.float32))
+    grad = torch.randn(5, 4, requires_grad=True)
+    # The schema check cannot follow an undefined (masked-off) output; the fake and autograd checks do.
+    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.moe_core.router_gating_linear_backward, (grad, x, weight, list(output_mask)),
+                          test_utils=utils if False in output_mask else torch.library._OPCHECK_DEFAULT_UTILS)
 
 
 def test_bad_arguments_raise():
@@ -93,6 +99,45 @@ def test_backward_holds_one_float32_copy_at_a_time():
     weight, grad = torch.randn(16, 1024), torch.randn(4096, 16)
     peak, _ = _memory_mib(lambda: torch.ops.moe_core.router_gating_linear_backward(grad, x, weight, [True, True]))
     assert 16 <= peak < 32, peak
+
+
+def test_compiled_backward_holds_one_float32_copy_at_a_time():
+    """Traced, the backward is its ATen ops, scheduled by Inductor, which fuses grad_x's narrowing cast into the sum
+    with x's other gradient: the widened product then lives until that sum. Computing grad_weight first frees x's
+    float32 copy before the product exists: peak 24 MiB, where computing grad_x first made it 40 MiB."""
+    x = torch.randn(4096, 1024, dtype=torch.bfloat16, requires_grad=True)
+    weight, grad = torch.randn(16, 1024, requires_grad=True), torch.randn(4096, 16)
+    grad_y = torch.randn(4096, 1024, dtype=torch.bfloat16)
+
+    def layer(x, weight):  # x's gradient sums the router's and a second path's, as in a transformer block
+        return router_gating_linear(x, weight, torch.float32), x * 2
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        out = torch.compile(layer, fullgraph=True)(x, weight)
+    peak, _ = _memory_mib(lambda: torch.autograd.grad(out, (x, weight), (grad, grad_y)))
+    assert 16 <= peak < 32, peak
+
+
+def test_compiled_backward_is_one_node():
+    """Traced, the backward stays the op: were it its ATen ops, Inductor could schedule x's float32 copy at the
+    start of the layer's backward (it did on the GPU) and hold it through the expert GEMMs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    backward_ops = []
+
+    def capture_backward(graph, example_inputs):
+        backward_ops.extend(node.target for node in graph.graph.nodes if node.op == "call_function")
+        return graph
+
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(8, 32, requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(router_gating_linear, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=capture_backward))
+    compiled(x, weight, torch.float32).sum().backward()
+    assert torch.ops.moe_core.router_gating_linear_backward.default in backward_ops
+    assert torch.ops.aten.mm.default not in backward_ops, backward_ops
 
 
 def test_double_backward_equals_the_expression():
