@@ -4,8 +4,12 @@
 // would save the copy of a tensor expression: it keeps a cast whose consumer is a GEMM on the forward side). In
 // C++, forward, backward and autograd, so that eager and compiled layers call it without Python dispatch.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include <array>
+#include <tuple>
 
 namespace moe_core {
 namespace {
@@ -21,8 +25,8 @@ at::Tensor gating_forward(const at::Tensor& x, const at::Tensor& weight, at::Sca
 // grad [T, E] in the forward's dtype -> (grad_x in x's dtype, grad_weight in the weight's), each only where
 // output_mask asks (an undefined tensor otherwise: a frozen router skips its weight's GEMM and x's float32 copy). One
 // statement each, since a temporary lives to the end of its full expression: the two [T, H] `dtype` temporaries (x's
-// copy, then the widened grad_x) never coexist. A kernel of its own, not a composite, for the same reason: traced,
-// Inductor would schedule x's copy at the start of the backward and hold it through the expert GEMMs.
+// copy, the widened grad_x) never coexist. A kernel of its own, not a composite, so that tracing keeps them inside it:
+// as ATen ops, Inductor would schedule x's copy at the start of the backward and hold it through the expert GEMMs.
 std::tuple<at::Tensor, at::Tensor> gating_backward(const at::Tensor& grad, const at::Tensor& x,
                                                    const at::Tensor& weight, std::array<bool, 2> output_mask) {
   const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -51,6 +55,7 @@ class RouterGatingBackward : public torch::autograd::Function<RouterGatingBackwa
   static variable_list forward(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& x,
                                const at::Tensor& weight) {
     ctx->save_for_backward({grad, x, weight});
+    ctx->set_materialize_grads(false);  // an output with no gradient costs no GEMMs
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [grad_x, grad_weight] = backward_op().call(grad, x, weight, {true, true});
     return {grad_x, grad_weight};

@@ -28,8 +28,8 @@ def _(x_TH, weight_EH, dtype):
 
 @torch.library.register_fake("moe_core::router_gating_linear_backward")
 def _(grad_TE, x_TH, weight_EH, output_mask):
-    return (torch.empty_like(x_TH) if output_mask[0] else None,
-            torch.empty_like(weight_EH) if output_mask[1] else None)
+    return (x_TH.new_empty(x_TH.shape) if output_mask[0] else None,
+            weight_EH.new_empty(weight_EH.shape) if output_mask[1] else None)
 
 
 def router_gating_linear(x_TH: torch.Tensor, weight_EH: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -58,16 +58,23 @@ def test_a_16_bit_x_is_saved_as_it_is(compiled):
     assert ((64, 32), torch.float32) in _saved(expression, x, weight, torch.float32)
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed"])
 @pytest.mark.parametrize("output_mask", [(True, True), (True, False), (False, True)])
-def test_opcheck(output_mask):
-    x = torch.randn(5, 16, dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(4, 16, requires_grad=True)
-    torch.library.opcheck(torch.ops.moe_core.router_gating_linear, (x, weight, torch.float32))
-    grad = torch.randn(5, 4, requires_grad=True)
-    # The schema check cannot follow an undefined (masked-off) output; the fake and autograd checks do.
-    utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+def test_opcheck(output_mask, transposed):
+    """Both ops against their fake kernels (shapes and strides: the results are row-major whatever the inputs'
+    layout), autograd registration and tracing. A masked backward runs with no input requiring a gradient, the
+    case that honours its mask (a recorded one computes both); the schema check cannot follow its undefined
+    output."""
+    x = torch.randn(16, 5).t() if transposed else torch.randn(5, 16)
+    x, weight, grad = x.to(torch.bfloat16), torch.randn(4, 16), torch.randn(5, 4)
+    masked = False in output_mask
+    for t in () if masked else (x, weight, grad):
+        t.requires_grad_()
+    if not masked:
+        torch.library.opcheck(torch.ops.moe_core.router_gating_linear, (x, weight, torch.float32))
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic") if masked else torch.library._OPCHECK_DEFAULT_UTILS
     torch.library.opcheck(torch.ops.moe_core.router_gating_linear_backward, (grad, x, weight, list(output_mask)),
-                          test_utils=utils if False in output_mask else torch.library._OPCHECK_DEFAULT_UTILS)
+                          test_utils=utils)
 
 
 def test_bad_arguments_raise():
@@ -102,9 +109,8 @@ def test_backward_holds_one_float32_copy_at_a_time():
 
 
 def test_compiled_backward_holds_one_float32_copy_at_a_time():
-    """Traced, the backward is its ATen ops, scheduled by Inductor, which fuses grad_x's narrowing cast into the sum
-    with x's other gradient: the widened product then lives until that sum. Computing grad_weight first frees x's
-    float32 copy before the product exists: peak 24 MiB, where computing grad_x first made it 40 MiB."""
+    """Compiled, the backward's float32 [T, H] temporaries still come one at a time, though Inductor schedules what
+    surrounds the op: peak = one copy (16 MiB) + grad_x in bf16 (8 MiB), where both copies would make it 40 MiB."""
     x = torch.randn(4096, 1024, dtype=torch.bfloat16, requires_grad=True)
     weight, grad = torch.randn(16, 1024, requires_grad=True), torch.randn(4096, 16)
     grad_y = torch.randn(4096, 1024, dtype=torch.bfloat16)
@@ -117,6 +123,24 @@ def test_compiled_backward_holds_one_float32_copy_at_a_time():
         out = torch.compile(layer, fullgraph=True)(x, weight)
     peak, _ = _memory_mib(lambda: torch.autograd.grad(out, (x, weight), (grad, grad_y)))
     assert 16 <= peak < 32, peak
+
+
+@pytest.mark.parametrize("case", ["frozen_weight", "transposed_x"])
+def test_compiled_backward_equals_eager(case):
+    """Compiled with Inductor, the backward gives the eager op's gradients: with the weight frozen (the backward's
+    fake kernel and its masked output traced) and with a transposed x (the fake's strides against the kernel's)."""
+    x = torch.randn(32, 64).t() if case == "transposed_x" else torch.randn(64, 32)
+    x = x.to(torch.bfloat16).requires_grad_()
+    weight = torch.randn(8, 32, requires_grad=case != "frozen_weight")
+    grad = torch.randn(64, 8)
+    inputs = (x, weight) if weight.requires_grad else (x,)
+    want = torch.autograd.grad(router_gating_linear(x, weight, torch.float32), inputs, grad)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        out = torch.compile(router_gating_linear, fullgraph=True)(x, weight, torch.float32)
+    got = torch.autograd.grad(out, inputs, grad)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
 
 
 def test_compiled_backward_is_one_node():
@@ -140,22 +164,28 @@ def test_compiled_backward_is_one_node():
     assert torch.ops.aten.mm.default not in backward_ops, backward_ops
 
 
-@pytest.mark.parametrize("x_dtype,dtype,train_weight", [(torch.float64, torch.float64, True),
-                                                        (torch.bfloat16, torch.float32, True),
-                                                        (torch.float64, torch.float64, False)],
-                         ids=["float64", "bf16_x", "frozen_weight"])
-def test_double_backward_equals_the_expression(x_dtype, dtype, train_weight):
+@pytest.mark.parametrize("x_dtype,dtype,penalised,wrt", [
+    (torch.float64, torch.float64, "both", "both"),
+    (torch.bfloat16, torch.float32, "both", "both"),
+    (torch.float64, torch.float64, "grad_x", "weight"),
+    (torch.float64, torch.float64, "grad_weight", "x"),
+    (torch.float64, torch.float64, "frozen_weight", "x"),
+], ids=["float64", "bf16_x", "grad_x_wrt_weight", "grad_weight_wrt_x", "frozen_weight"])
+def test_double_backward_equals_the_expression(x_dtype, dtype, penalised, wrt):
     """Gradients of gradients (a gradient penalty through the router) go through the backward op's autograd: the
-    expression's values, and no autograd fallback warning; with the weight frozen too, where the backward's output
-    mask leaves out the weight's gradient."""
+    expression's values, and no autograd fallback warning. Penalising one first-order gradient and differentiating
+    by one input reaches each of the four GEMMs alone; a frozen weight runs the output mask under create_graph."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 4, generator=gen, dtype=torch.float64).to(x_dtype).requires_grad_()
-    weight = torch.randn(3, 4, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(train_weight)
-    inputs = (x, weight) if train_weight else (x,)
+    weight = torch.randn(3, 4, generator=gen, dtype=torch.float64).to(dtype)
+    weight.requires_grad_(penalised != "frozen_weight")
+    first = (x, weight) if weight.requires_grad else (x,)
+    second = {"both": (x, weight), "x": (x,), "weight": (weight,)}[wrt]
 
     def penalty(fn):
-        grads = torch.autograd.grad(fn(x, weight, dtype).square().sum(), inputs, create_graph=True)
-        return torch.autograd.grad(sum(g.float().square().sum() for g in grads), inputs)
+        grads = torch.autograd.grad(fn(x, weight, dtype).square().sum(), first, create_graph=True)
+        kept = {"grad_x": grads[:1], "grad_weight": grads[1:]}.get(penalised, grads)
+        return torch.autograd.grad(sum(g.float().square().sum() for g in kept), second)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
