@@ -107,6 +107,7 @@ def test_smoke_writes_a_row_per_provider_and_pass(tmp_path):
             assert math.isfinite(row[key]) and row[key] >= 0, (provider, key, row[key])
         assert row["min_ms"] <= row["median_ms"] <= row["max_ms"] and row["peak_gib"] is None
         assert 0 <= row["non_gemm_share"] <= 1 and row["gemm_ms"] > 0
+        assert row["kernel_ms"] == row["gemm_ms"] + row["rest_ms"]
         assert len(row["top_non_gemm"]) == 5 and {"name", "ms"} <= set(row["top_non_gemm"][0])
         assert row["max_abs_diff"] < 1e-5  # float32, one function
     assert rows[("native", "fwd")]["speedup_vs_native"] == 1.0
