@@ -22,8 +22,9 @@ input and of every weight (``torch.autograd.grad``, nothing accumulates). Each p
 times per iteration after warm-up (median, 10-90 percentile spread), taken in --rounds rounds that time every
 provider in turn (all providers are built first and held); ``peak_gib``, the peak of one call above
 the memory allocated before it; one torch.profiler pass (``--profile-steps`` calls) summing kernel time into GEMM
-(names matching ``_bench_common.GEMM``) and the rest, with the top 5 non-GEMM kernels, and ``kernel_ms``, their sum
-(on CUDA a call's GPU time, which a host-bound provider's median exceeds). TFLOP/s count the
+(names matching ``_bench_common.GEMM``) and the rest, with the top 5 non-GEMM kernels; ``kernel_ms`` sums the GEMM
+and the rest (on CUDA the durations of a call's kernels, memcpys and memsets: how far the median sits above it is the
+host's share). TFLOP/s count the
 expert GEMMs only: 6 T K H F per forward, three times that for fwd+bwd. Speed-ups are the reference's median
 over the provider's (> 1: faster than the reference). A provider that fails (compile error, OOM) is printed
 and recorded with ``error``; the others go on.
@@ -195,9 +196,8 @@ def profile_row(fn, args, device: torch.device) -> dict:
     row = dict(peak_gib=peak_memory_gib(fn, device))
     if args.profile_steps:
         split = breakdown(kernel_times(fn, args.profile_steps, device), {"gemm": GEMM})
-        gemm, rest = split["ms"]["gemm"], split["ms"]["rest"]
-        row.update(gemm_ms=gemm, rest_ms=rest, kernel_ms=gemm + rest,
-                   non_gemm_share=rest / (gemm + rest) if gemm + rest else None,
+        gemm, rest, total = split["ms"]["gemm"], split["ms"]["rest"], split["total_ms"]
+        row.update(gemm_ms=gemm, rest_ms=rest, kernel_ms=total, non_gemm_share=rest / total if total else None,
                    top_non_gemm=[dict(name=k["name"], ms=k["ms"]) for k in split["ranked"]
                                  if k["category"] != "gemm"][:5])
     return row
