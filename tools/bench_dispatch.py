@@ -7,17 +7,17 @@ NCCL floor of the same bytes.
     ... --expert scale                                               # the experts of the issue's baseline table
     nsys profile -o $OUT/dispatch --trace cuda,nvtx,osrt torchrun ... --iters 5   # NVTX ranges per phase
 
-Dispatchers: ``alltoall`` (its default layout: token rows, a token once per EP rank), ``alltoall_expert_rows`` (the
-same dispatcher forced to one row per (token, expert), Megatron's layout, which it keeps for drop_and_pad),
-``allgather``; ``alltoall_sync_free`` and ``allgather_sync_free``, the two with ``moe_dispatch_sync_free`` (every
-token to every rank, expert rows sized for the worst case, no host sync); ``alltoall_sync_free_compiled``, the
+Dispatchers: ``alltoall`` (its default layout: token rows, a token once per EP rank), ``alltoall_expert_rows`` (the same
+dispatcher forced to one row per (token, expert), Megatron's layout, which it keeps for drop_and_pad), ``allgather``;
+``alltoall_sync_free``, with ``moe_dispatch_sync_free`` (every token to every rank, expert rows sized for the worst
+case; eagerly, one exchange of the token count checks that the ranks agree); ``alltoall_sync_free_compiled``, the
 sync-free all-to-all with dispatch, expert and combine compiled whole (``torch.compile(fullgraph=True)``, the
 all-to-alls functional collectives, as in a compiled layer; warm-up includes the compilation);
 ``alltoall_sync_free_cuda_graph``, the same replayed as CUDA graphs (``reduce-overhead``, as under
-``enable_cuda_graph``; on CPU compiled only). Experts: ``identity``
-(default), the dispatched rows go straight to combine and the probs get a gradient of ones, so only the dispatcher
-is timed (its gathers, the count exchange and its host sync, the collectives); ``scale``, ``y = x * prob`` per row,
-one more pass over the rows each way. Uniform random top-k routing, bf16 rows (or --dtype).
+``enable_cuda_graph``; on CPU compiled only). Experts: ``identity`` (default), the dispatched rows go straight to
+combine and the probs get a gradient of ones, so only the dispatcher is timed (its gathers, the count exchange and its
+host sync, the collectives); ``scale``, ``y = x * prob`` per row, one more pass over the rows each way. Uniform random
+top-k routing, bf16 rows (or --dtype).
 
 Floor: the collectives one step of the dispatcher issues, recorded (shapes, dtypes, split sizes) and replayed alone
 on preallocated buffers, forward's and backward's separately: what NCCL needs to move those bytes, with no compute.
@@ -68,7 +68,7 @@ class _ExpertRows(EP_DISPATCHERS["alltoall"]):
 DISPATCHERS = {
     **{name: (cls, False, None) for name, cls in EP_DISPATCHERS.items()},
     "alltoall_expert_rows": (_ExpertRows, False, None),
-    **{f"{name}_sync_free": (cls, True, None) for name, cls in EP_DISPATCHERS.items()},
+    "alltoall_sync_free": (EP_DISPATCHERS["alltoall"], True, None),
     "alltoall_sync_free_compiled": (EP_DISPATCHERS["alltoall"], True, "default"),
     "alltoall_sync_free_cuda_graph": (EP_DISPATCHERS["alltoall"], True, "reduce-overhead"),
 }

@@ -72,8 +72,10 @@ class SelfAttention(nn.Module):
         ``moe_core.models.rope.rope_cos_sin``) -> ``[B, S, H]`` in hidden's dtype."""
         batch, seq, _ = hidden_BSH.shape
         per_group, dim = self.num_heads // self.num_kv_heads, self.head_dim
-        qkv_BSGXD = self.linear_qkv(hidden_BSH).view(batch, seq, -1, per_group + 2, dim)  # G groups (here)
-        q_BSND = qkv_BSGXD[:, :, :, :per_group].reshape(batch, seq, -1, dim)
+        qkv_BSH3 = self.linear_qkv(hidden_BSH)
+        groups = qkv_BSH3.shape[-1] // ((per_group + 2) * dim)  # G query groups (here), also for an empty batch
+        qkv_BSGXD = qkv_BSH3.view(batch, seq, groups, per_group + 2, dim)
+        q_BSND = qkv_BSGXD[:, :, :, :per_group].reshape(batch, seq, groups * per_group, dim)
         k_BSND, v_BSND = qkv_BSGXD[:, :, :, per_group], qkv_BSGXD[:, :, :, per_group + 1]
         if self.q_layernorm is not None and not self.qk_layernorm_per_head:
             q_BSND = self.q_layernorm(q_BSND.flatten(2)).view_as(q_BSND)
@@ -84,7 +86,7 @@ class SelfAttention(nn.Module):
         cos, sin = rope_cos_sin
         q_BNSD, k_BNSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BNSD, cos, sin)
         out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, enable_gqa=per_group != 1)
-        return self.linear_proj(out_BNSD.transpose(1, 2).reshape(batch, seq, -1))
+        return self.linear_proj(out_BNSD.transpose(1, 2).reshape(batch, seq, groups * per_group * dim))
 
 
 __all__ = ["SelfAttention", "qkv_row_blocks"]

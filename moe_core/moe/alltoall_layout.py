@@ -73,8 +73,8 @@ def all_token_rows(num_tokens: int, ep: int, device: torch.device
 def row_probs(routing_map: torch.Tensor, probs: torch.Tensor, token_of_row: torch.Tensor, dest_of_row: torch.Tensor,
               ep: int) -> torch.Tensor:
     """``[N_s, L]`` float32, a tail per sent row: its token's probs for the L experts of the row's destination rank,
-    -inf where the token is not routed (the receiver reads the routing from it; a routed prob is finite, whatever
-    its sign). Differentiable in ``probs``.
+    -inf where the token is not routed (the receiver reads the routing from it: any other value, NaN included, is
+    routed, so a NaN token stays NaN rather than silently routed nowhere). Differentiable in ``probs``.
 
     Args:
         routing_map: ``[T, E]`` bool. probs: ``[T, E]`` float (any value where not routed). token_of_row /
@@ -96,9 +96,10 @@ def received_row_map(values_NL: torch.Tensor, num_slots: int, num_rows: int
         num_slots: K, at least the most local experts any row has. num_rows: R, the routed entries or a bound on
             them (a host int); the rows past the routed ones are unused (token_of_row -2, value_index 0).
     Returns:
-        ``(row_map, value_index [R], tokens_per_expert [L])``: ``moe_utils.build_row_map``'s map of ``values_NL >
-        -inf`` (expert-major, row order inside an expert), the flat position ``n * L + e`` of each expert row's
-        value (its prob: ``values_NL.take(value_index)``), and the rows per local expert; int64 on values' device.
+        ``(row_map, value_index [R], tokens_per_expert [L])``: ``moe_utils.build_row_map``'s map of ``values_NL !=
+        -inf`` (NaN is routed; expert-major, row order inside an expert), the flat position ``n * L + e`` of each
+        expert row's value (its prob: ``values_NL.take(value_index)``), and the rows per local expert; int64 on
+        values' device.
         On CUDA three Triton kernels (``ops/triton/row_map.py``) build it, the same maps bit for bit; under
         torch.compile the PyTorch ops below, which Inductor fuses.
     """
@@ -107,7 +108,7 @@ def received_row_map(values_NL: torch.Tensor, num_slots: int, num_rows: int
 
         token_of_row, value_index, row_of_slot, tokens_per_expert = triton_row_map(values_NL, num_slots, num_rows)
         return RowMap(token_of_row, row_of_slot), value_index, tokens_per_expert
-    routing_NL = values_NL > -math.inf
+    routing_NL = values_NL != -math.inf
     row_map, expert_of_row = build_row_map(routing_NL, num_slots, num_out_tokens=num_rows)
     value_index = torch.where(row_map.token_of_row >= 0, row_map.token_of_row * routing_NL.shape[1] + expert_of_row, 0)
     return row_map, value_index, routing_NL.sum(dim=0)

@@ -51,12 +51,12 @@ def topk_indices(scores_TE: torch.Tensor, topk: int, num_groups: int | None = No
     """
     if num_groups is None:
         return scores_TE.topk(topk, dim=-1).indices
-    num_tokens = scores_TE.shape[0]
-    scores_TGX = scores_TE.view(num_tokens, num_groups, -1)
+    num_tokens, num_experts = scores_TE.shape
+    scores_TGX = scores_TE.view(num_tokens, num_groups, num_experts // num_groups)
     group_scores_TG = scores_TGX.topk(max(topk // group_topk, 1), dim=-1).values.sum(dim=-1)
     group_idx = group_scores_TG.topk(group_topk, dim=-1).indices
     group_mask_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool).scatter(1, group_idx, True)
-    expert_mask_TE = group_mask_TG.unsqueeze(-1).expand_as(scores_TGX).reshape(num_tokens, -1)
+    expert_mask_TE = group_mask_TG.unsqueeze(-1).expand_as(scores_TGX).reshape(num_tokens, num_experts)
     return scores_TE.masked_fill(~expert_mask_TE, float("-inf")).topk(topk, dim=-1).indices
 
 

@@ -26,7 +26,8 @@ Sync-free token rows (``moe_dispatch_sync_free``): every token travels to every 
 peer, so no count exchange and no host sync), its tail -inf for the experts it does not reach there; the receiver's
 expert rows are sized for the worst case, N * min(K, L), the rows past ``tokens_per_expert``'s sum unused (token
 -2 in the row map, left unwritten on CUDA, prob 0; the grouped GEMM never reads them). Every EP rank must pass the
-same T.
+same T: eagerly, ``ep_counts.TokenCountCheck`` exchanges T first and raises on every rank otherwise (drop_and_pad's
+static splits likewise); traced or captured in a CUDA graph, the shapes are the graph's.
 
 Expert rows (drop_and_pad, whose static shapes need a row per (token, expert) and capacity slot; and L = 1, where
 both layouts coincide): Megatron's layout.
@@ -45,17 +46,18 @@ trace them). The expert compute around it compiles. The sync-free token rows hav
 the layer is one graph, its all-to-alls functional collectives.
 
 Every rank issues the same collectives in the same order whatever the routing, a rank sending or receiving nothing
-included: the count exchange (not with drop_and_pad or sync-free), the rows' all-to-all (plus the probs' with L =
-1), combine's all-to-all, and their mirrors in backward.
+included: the count exchange (with drop_and_pad or sync-free, the token-count check's all-gather instead, when
+eager), the rows' all-to-all (plus the probs' with L = 1), combine's all-to-all, and their mirrors in backward.
 
-Host syncs: none with drop_and_pad or moe_dispatch_sync_free (static split sizes); otherwise one per dispatch
+Host syncs: none with drop_and_pad or moe_dispatch_sync_free (static split sizes) when traced or captured; eagerly
+those wait for the token-count check, exchanged before the rows are packed; otherwise one per dispatch
 (Megatron's ``preprocess`` has the same): ``all_to_all_single`` takes its split sizes as host ints, so the exchanged
-counts must reach the host (``_CountsCopy.wait``), which also sizes the row maps without more syncs. (With L = 1, a
+counts must reach the host (``CountsCopy.wait``), which also sizes the row maps without more syncs. (With L = 1, a
 capacity factor and no padding, ``permute`` adds its own to size the data-dependent rows.) Backward needs no host
 data beyond the same splits.
 
 Streams (CUDA): the count exchange and its copy to pinned host memory run on a side stream
-(``moe_utils.side_stream(device, "dispatch")``) after the routing only, so they overlap the work queued after
+(``ep_counts.on_side_stream``) after the routing only, so they overlap the work queued after
 them (the experts' ids and probs per token; the sort indices of the expert-row layout, computed there while the
 rows' all-to-all is in flight). The current stream waits for what it uses (events). Off CUDA all runs in order.
 
@@ -76,13 +78,13 @@ from moe_core.moe.alltoall_layout import (
     row_probs,
     token_rows,
 )
+from moe_core.moe.ep_counts import CountsCopy, TokenCountCheck, on_side_stream
 from moe_core.moe.moe_utils import (
     RowMap,
     check_num_slots,
     compute_dtype,
     gather_row_probs,
     permute,
-    side_stream,
     unpermute,
 )
 from moe_core.moe.token_dispatcher import ExpertParallelTokenDispatcher, check_dispatch_inputs
@@ -179,8 +181,11 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
             return self._dispatch_token_rows_eager(hidden, probs, routing_map)
         # Static shapes, so torch.compile traces this (the all-to-alls as functional collectives).
         num_tokens, ep = hidden.shape[0], self.ep_size
+        check = TokenCountCheck.start(num_tokens, self.ep_group, hidden.device)
         token_of_row, dest_of_row, row_of_slot = all_token_rows(num_tokens, ep, hidden.device)
         values = row_probs(routing_map, probs, token_of_row, dest_of_row, ep)  # [ep * T, L]
+        if check is not None:
+            check.verify("moe_dispatch_sync_free (every token to every EP rank, T rows each)")
         splits = [num_tokens] * ep
         bound = ep * num_tokens * min(self.topk, self.num_local_experts)  # every token on its K experts
         return self._send_token_rows(hidden, token_of_row, row_of_slot, values, splits, splits, bound)
@@ -230,12 +235,13 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
         num_tokens, hidden_size = hidden.shape
         ep, num_local = self.ep_size, self.num_local_experts
         capacity = self.capacity(num_tokens)
+        check = None if capacity is None else TokenCountCheck.start(num_tokens, self.ep_group, hidden.device)
         if capacity is None:
             sent_counts_E = routing_map.sum(dim=0)  # rows this rank sends to each expert, global order
             # received_counts[s * L + e]: rows source rank s sends to local expert e.
             received_counts, counts_copy = self._exchange_counts(sent_counts_E, num_local)
         else:  # static: made where _received_layout reads it, the side stream on CUDA
-            received_counts, = _on_side_stream(
+            received_counts, = on_side_stream(
                 lambda: (hidden.new_full((ep * num_local,), capacity, dtype=torch.int64),), hidden.device,
                 after_current=False, join=False)
         packed = num_local > 1
@@ -246,6 +252,8 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
             input_splits = _per_rank(host_counts[:self.num_experts], num_local)
             output_splits = _per_rank(host_counts[self.num_experts:], num_local)
         else:
+            if check is not None:
+                check.verify("moe_pad_expert_input_to_capacity (capacity rows per expert from each EP rank)")
             input_splits = output_splits = [num_local * capacity] * ep
         received = all_to_all(sent, output_splits, input_splits, self.ep_group)
         tokens_per_expert_L, sort_index, unsort_index = _received_layout(
@@ -260,7 +268,7 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
                                     sort_index=sort_index)
         return received_RH, tokens_per_expert_L, received_probs[:, 0].index_select(0, sort_index), meta
 
-    def _exchange_counts(self, counts: torch.Tensor, per_peer: int) -> tuple[torch.Tensor, _CountsCopy]:
+    def _exchange_counts(self, counts: torch.Tensor, per_peer: int) -> tuple[torch.Tensor, CountsCopy]:
         """The counts ``[ep * per_peer]`` (``per_peer`` to each EP rank, in rank order) exchanged, and the host copy
         of ``[counts, received]``.
 
@@ -271,9 +279,9 @@ class MoEAlltoAllTokenDispatcher(ExpertParallelTokenDispatcher):
 
         def exchange():
             received = all_to_all(counts, splits, splits, self.ep_group)
-            return received, _CountsCopy(torch.cat([counts, received]))
+            return received, CountsCopy(torch.cat([counts, received]))
 
-        return _on_side_stream(exchange, counts.device, counts, after_current=True, join=False)
+        return on_side_stream(exchange, counts.device, counts, after_current=True, join=False)
 
 
 def _received_layout(counts_SL: torch.Tensor, num_rows: int, sort: bool):
@@ -287,64 +295,12 @@ def _received_layout(counts_SL: torch.Tensor, num_rows: int, sort: bool):
         indices = (chunk_transpose_index(counts_SL, num_rows), chunk_transpose_index(counts_SL.t(), num_rows))
         return (counts_SL.sum(dim=0), *(indices if sort else (None, None)))
 
-    return _on_side_stream(layout, counts_SL.device, counts_SL, after_current=False, join=True)
-
-
-@torch.compiler.disable
-def _on_side_stream(fn, device: torch.device, *inputs: torch.Tensor, after_current: bool, join: bool) -> tuple:
-    """``fn()`` on ``device``'s side stream ``"dispatch"`` (in place off CUDA); returns its outputs, a tuple.
-
-    ``inputs``: the tensors ``fn`` reads, kept from reuse until the side stream has read them. ``after_current``:
-    the side stream first waits for the work queued so far on the current stream (else only for its own earlier
-    work). ``join``: the current stream waits for ``fn``'s kernels, and its tensor outputs are recorded as used
-    there (allocated on the side stream, they must outlive the side stream's next work).
-    """
-    if device.type != "cuda":
-        return fn()
-    main, side = torch.cuda.current_stream(device), side_stream(device, "dispatch")
-    if after_current:
-        side.wait_stream(main)
-    with torch.cuda.stream(side):
-        outputs = fn()
-    for tensor in inputs:
-        tensor.record_stream(side)
-    if join:
-        main.wait_stream(side)
-        for out in outputs:
-            if isinstance(out, torch.Tensor):
-                out.record_stream(main)
-    return outputs
+    return on_side_stream(layout, counts_SL.device, counts_SL, after_current=False, join=True)
 
 
 def _per_rank(counts: list[int], num_local: int) -> list[int]:
     """Sums of consecutive blocks of ``num_local`` counts: rows per EP rank."""
     return [sum(counts[i:i + num_local]) for i in range(0, len(counts), num_local)]
-
-
-class _CountsCopy:
-    """A device->host copy of int64 counts, queued at construction, waited for by ``wait``.
-
-    On CUDA the copy goes to pinned memory behind the work already queued on the current stream and records an
-    event; ``wait`` blocks the host on that event only, not on work queued after the copy. On the CPU it is the
-    tensor itself. Run eagerly under ``torch.compile`` (a host sync cannot be traced).
-    """
-
-    @torch.compiler.disable
-    def __init__(self, counts: torch.Tensor):
-        self._event = None
-        if counts.is_cuda:
-            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-            self._host.copy_(counts, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = counts
-
-    @torch.compiler.disable
-    def wait(self) -> list[int]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
 
 
 __all__ = ["MoEAlltoAllTokenDispatcher", "AlltoAllDispatchMeta"]

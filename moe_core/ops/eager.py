@@ -5,8 +5,9 @@ fake kernel, an autograd formula AOTAutograd sees). In eager mode its Python dis
 several times the kernel launch itself on the host (``docs/design.md``), and the MoE data path calls several
 such ops per layer where small layers and the expert-parallel exchange are host-bound. ``EagerOp`` builds a
 ``torch.autograd.Function`` from the op's own implementation, ``setup_context`` and ``backward``, so the formula is
-written once; ``__call__`` takes the Function for plain tensors in eager mode and the op otherwise: under
-``torch.compile``, while AOTAutograd or ``make_fx`` trace (fake and functional tensors), and for tensor subclasses.
+written once; ``__call__`` takes the Function for plain tensors in eager mode (the implementation alone where grad
+mode is off, as in a backward pass without ``create_graph``) and the op otherwise: under ``torch.compile``, while
+AOTAutograd or ``make_fx`` trace (fake and functional tensors), and for tensor subclasses.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class EagerOp:
         op: the registered custom op (its ``OpOverloadPacket``).
         impl: the function registered as the op's implementation, called with the op's arguments.
         setup_context / backward: the functions given to the op's ``register_autograd``; None for an op without
-            autograd, whose ``impl`` then runs directly where grad mode is off (else the op, which refuses to be
-            differentiated rather than return results without a graph).
+            autograd, which then runs as the op where grad mode is on (it refuses to be differentiated rather than
+            return results without a graph). Where grad mode is off, ``impl`` runs directly either way.
     """
 
     def __init__(self, op, impl: Callable, setup_context: Callable | None = None, backward: Callable | None = None):
@@ -36,9 +37,9 @@ class EagerOp:
         if torch.compiler.is_compiling() or any(type(a) is not torch.Tensor for a in args
                                                 if isinstance(a, torch.Tensor)):
             return self.op(*args)
-        if self.function is not None:
-            return self.function.apply(*args)
-        return self.op(*args) if torch.is_grad_enabled() else self.impl(*args)
+        if not torch.is_grad_enabled():
+            return self.impl(*args)
+        return self.op(*args) if self.function is None else self.function.apply(*args)
 
 
 def _function(impl: Callable, setup_context: Callable, backward: Callable) -> type[torch.autograd.Function]:

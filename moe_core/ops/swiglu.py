@@ -42,7 +42,8 @@ def _swiglu_with_probs_backward(grad: torch.Tensor, fc1_out: torch.Tensor, probs
 
 # triton_op: the implementation is also the fake kernel, and compilation traces into it (ops/triton/__init__.py).
 _swiglu_op = torch.library.triton_op("moe_core::swiglu_with_probs", _swiglu_with_probs, mutates_args=())
-torch.library.triton_op("moe_core::swiglu_with_probs_backward", _swiglu_with_probs_backward, mutates_args=())
+_swiglu_backward_op = torch.library.triton_op("moe_core::swiglu_with_probs_backward", _swiglu_with_probs_backward,
+                                              mutates_args=())
 
 
 def _setup(ctx, inputs, output):
@@ -54,9 +55,23 @@ def _backward(ctx, grad):
     return *_SWIGLU_BACKWARD(grad, fc1_out, probs, used_rows), None
 
 
+@torch.autograd.function.once_differentiable
+def _double_backward(ctx, grad_dfc1, grad_dprobs):
+    """The backward pass's own gradients (double backward): autograd through its reference formula."""
+    grad, fc1_out, probs, _ = ctx.saved_tensors
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (grad, fc1_out, probs)]
+        outputs = swiglu_with_probs_backward_ref(*inputs)
+        grads = torch.autograd.grad(outputs, inputs, (grad_dfc1, grad_dprobs), allow_unused=True,
+                                    materialize_grads=True)
+    return *grads, None
+
+
 _swiglu_op.register_autograd(_backward, setup_context=_setup)
+_swiglu_backward_op.register_autograd(_double_backward, setup_context=_setup)
 _SWIGLU = EagerOp(torch.ops.moe_core.swiglu_with_probs, _swiglu_with_probs, _setup, _backward)
-_SWIGLU_BACKWARD = EagerOp(torch.ops.moe_core.swiglu_with_probs_backward, _swiglu_with_probs_backward)
+_SWIGLU_BACKWARD = EagerOp(torch.ops.moe_core.swiglu_with_probs_backward, _swiglu_with_probs_backward, _setup,
+                           _double_backward)
 
 
 def swiglu_with_probs(fc1_out_RF2: torch.Tensor, probs_R: torch.Tensor, used_rows: torch.Tensor | None = None

@@ -45,6 +45,23 @@ def test_shapes_and_loss_convention():
     torch.testing.assert_close(model(ids.int()), logits)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(cross_entropy_chunk_size=5, qk_layernorm_span="projection"),
+                                dict(num_moe_experts=8, moe_router_num_groups=4, moe_router_group_topk=2,
+                                     moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3)],
+                         ids=["plain", "chunked-loss", "group-limited"])
+def test_empty_micro_batch(kw):
+    """A micro-batch of no sequences (a data-parallel rank left without data) runs forward and backward: empty
+    logits and loss, and every parameter gets an exactly-zero gradient."""
+    model = GPTModel(tiny_config(**kw))
+    ids = torch.zeros(0, SEQ, dtype=torch.int64)
+    assert model(ids).shape == (0, SEQ, VOCAB)
+    loss = model(ids, ids)
+    assert loss.shape == (0, SEQ)
+    loss.sum().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p.grad)), name
+
+
 @pytest.mark.parametrize("ids,labels,error,match", [
     (torch.zeros(SEQ, dtype=torch.long), None, ValueError, "input_ids"),
     (torch.zeros(2, SEQ), None, TypeError, "input_ids"),

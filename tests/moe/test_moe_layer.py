@@ -8,7 +8,7 @@ import torch
 
 from moe_core.activations import activation
 from moe_core.config import TransformerConfig
-from moe_core.moe.experts import GroupedMLP
+from moe_core.moe.experts import GroupedMLP, copy_sequential_to_grouped
 from moe_core.moe.moe_layer import MoELayer
 from moe_core.moe.token_dispatcher import MoELocalTokenDispatcher
 
@@ -112,6 +112,37 @@ def test_expert_without_tokens_gets_exact_zero_grad(grouped):
         expert0 = [p.grad for p in layer.experts.local_experts[0].parameters()]
     for g in expert0:
         assert torch.equal(g, torch.zeros_like(g))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(add_bias_linear=True, moe_shared_expert_intermediate_size=10)],
+                         ids=["swiglu", "bias-shared"])
+def test_double_backward_matches_sequential_mlp(kw):
+    """A gradient penalty (create_graph=True through the fused SwiGLU, the grouped GEMM and the permutes) gives
+    GroupedMLP's layer the gradients of the SequentialMLP layer with the same weights."""
+    grouped, sequential = make_layer(**kw), make_layer(moe_grouped_gemm=False, **kw)
+    sequential.load_state_dict({k: v for k, v in grouped.state_dict().items() if not k.startswith("experts.")},
+                               strict=False)
+    copy_sequential_to_grouped(sequential.experts, grouped.experts)
+    hidden = torch.randn(3, 4, HIDDEN, dtype=torch.float64)
+    grads = []
+    for layer in (grouped, sequential):
+        x = hidden.clone().requires_grad_()
+        dx, = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+        dx.square().sum().backward()
+        grads.append((x.grad, layer.router.weight.grad, [g for e in range(4) for g in expert_weight_grads(layer, e)]))
+    (dx_g, router_g, experts_g), (dx_s, router_s, experts_s) = grads
+    torch.testing.assert_close(dx_g, dx_s, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(router_g, router_s, rtol=1e-10, atol=1e-12)
+    for g, s in zip(experts_g, experts_s, strict=True):
+        torch.testing.assert_close(g, s, rtol=1e-10, atol=1e-12)
+
+
+def expert_weight_grads(layer: MoELayer, e: int) -> list[torch.Tensor]:
+    """Expert e's fc1 and fc2 weight gradients as [in, out], from either expert module."""
+    if isinstance(layer.experts, GroupedMLP):
+        return [layer.experts.fc1.weight.grad[e], layer.experts.fc2.weight.grad[e]]
+    mlp = layer.experts.local_experts[e]
+    return [mlp.linear_fc1.weight.grad.t(), mlp.linear_fc2.weight.grad.t()]
 
 
 def test_layer_rejects_bad_hidden():

@@ -41,6 +41,19 @@ def test_gradcheck_and_opcheck():
     torch.library.opcheck(torch.ops.moe_core.swiglu_with_probs, (fc1.float(), probs.float(), torch.tensor(3)))
 
 
+@pytest.mark.parametrize("used_rows", [None, torch.tensor(3)], ids=["all-rows", "used-rows"])
+def test_gradgradcheck(used_rows):
+    """Double backward (a gradient penalty through the experts) goes through the backward's own autograd formula."""
+    fc1 = torch.randn(5, 12, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(5, dtype=torch.float64, requires_grad=True)
+    rows = 5 if used_rows is None else int(used_rows)
+
+    def used(fc1, probs):
+        return swiglu_with_probs(fc1, probs, used_rows)[:rows]
+
+    torch.autograd.gradgradcheck(used, (fc1, probs))
+
+
 def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="fc1_out_RF2"):
         swiglu_with_probs(torch.randn(3, 5), torch.rand(3))

@@ -50,8 +50,8 @@ def test_bench_dispatch_times_each_dispatcher_beside_the_replay_of_its_collectiv
     ranks = run_distributed(2, _dispatch_rows, timeout=300)
     assert ranks[0] == ranks[1]  # every figure is the slowest rank's
     rows = {(r["dispatcher"], r.get("pass")): r for r in ranks[0]}
-    names = ("allgather", "alltoall", "alltoall_expert_rows", "allgather_sync_free", "alltoall_sync_free",
-             "alltoall_sync_free_compiled", "alltoall_sync_free_cuda_graph")
+    names = ("allgather", "alltoall", "alltoall_expert_rows", "alltoall_sync_free", "alltoall_sync_free_compiled",
+             "alltoall_sync_free_cuda_graph")
     assert sorted(rows, key=str) == sorted([(d, p) for d in names for p in ("forward", "backward")]
                                            + [("all_to_all_single", None)], key=str)
     for (_, phase), r in rows.items():
@@ -63,17 +63,19 @@ def test_bench_dispatch_times_each_dispatcher_beside_the_replay_of_its_collectiv
         assert rows[(name, "forward")]["collectives"] == ["all_to_all_single"] * 3
         assert rows[(name, "backward")]["collectives"] == ["all_to_all_single"] * 2
     assert rows[("alltoall", "forward")]["bytes_out"] < rows[("alltoall_expert_rows", "forward")]["bytes_out"]
-    # Sync-free, eager or compiled whole: no count exchange, the packed rows and combine's rows each way (the
-    # collectives are recorded from the eager exchange; on gloo the graphed row runs compiled, without graphs).
+    # Sync-free, eager or compiled whole: no count exchange, the packed rows and combine's rows each way; forward's
+    # eager exchange checks the token counts first (the collectives are recorded from it; on gloo the graphed row
+    # runs compiled, without graphs).
     for name in ("alltoall_sync_free", "alltoall_sync_free_compiled", "alltoall_sync_free_cuda_graph"):
-        assert rows[(name, "forward")]["collectives"] == rows[(name, "backward")]["collectives"] == \
-            ["all_to_all_single"] * 2
+        assert rows[(name, "forward")]["collectives"] == ["all_gather_into_tensor"] + ["all_to_all_single"] * 2
+        assert rows[(name, "backward")]["collectives"] == ["all_to_all_single"] * 2
     # The compiled and graphed exchanges compute the eager one's outputs and gradients (float32: rounding only).
     for (name, phase), r in rows.items():
         compiled = name.endswith(("_compiled", "_cuda_graph"))
         assert phase is None or (r["max_diff_vs_eager"] is None) != compiled, r
         assert not compiled or r["max_diff_vs_eager"] <= 1e-5, r
-    assert rows[("allgather", "forward")]["collectives"] == ["all_gather_into_tensor"] * 3 + ["reduce_scatter_tensor"]
+    # allgather: the count exchange, then hidden, probs and routing map; combine's reduce-scatter.
+    assert rows[("allgather", "forward")]["collectives"] == ["all_gather_into_tensor"] * 4 + ["reduce_scatter_tensor"]
 
 
 def test_bench_moe_layer_ep_compares_ep_with_one_gpu_on_the_same_weights():

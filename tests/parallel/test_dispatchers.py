@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moe_core.moe.capacity import apply_token_dropping
-from moe_core.moe.token_dispatcher_alltoall import _CountsCopy
+from moe_core.moe.ep_counts import CountsCopy
 from moe_core.ops.pack import packed_width
 from tests.parallel._common import all_reduce_sum, compare, groups
 from tests.parallel._launch import BACKEND, device, run_distributed
@@ -86,11 +86,9 @@ def _layer_parity(scenario: str, dispatchers: list[str], ep: int, capacity: str 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_dispatchers_match_reference(world, scenario):
-    # AllGather needs the same token count on every rank; the send_zero scenario checks AlltoAll only. The alltoall
-    # dispatcher's two layouts (token rows, its default here, and expert rows) hand the experts the same rows.
-    dispatchers = ["alltoall", "alltoall_expert_rows"]
-    if SCENARIOS[scenario].empty_rank is None:
-        dispatchers.append("allgather")
+    # The alltoall dispatcher's two layouts (token rows, its default here, and expert rows) hand the experts the same
+    # rows; so does the allgather dispatcher, an EP rank without tokens (send_zero) included.
+    dispatchers = ["alltoall", "alltoall_expert_rows", "allgather"]
     stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=dispatchers, ep=world)
     print(f"world={world} {scenario}: {stats[0]}")
 
@@ -99,8 +97,7 @@ def test_dispatchers_match_reference(world, scenario):
 @pytest.mark.parametrize("scenario,capacity", [("dirichlet", None), ("send_zero", None), ("one_expert", "pad")])
 def test_one_local_expert(world, scenario, capacity):
     """E = EP (one expert per rank): rows arrive sorted, so they and the probs travel unpacked, unsorted."""
-    dispatchers = ["alltoall"] if SCENARIOS[scenario].empty_rank is not None else ["alltoall", "allgather"]
-    stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=dispatchers, ep=world,
+    stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=["alltoall", "allgather"], ep=world,
                             capacity=capacity, num_experts=world)
     print(f"world={world} E={world} {scenario} {capacity}: {stats[0]}")
 
@@ -110,8 +107,7 @@ def test_one_local_expert(world, scenario, capacity):
 def test_sync_free_dispatch_matches_reference(world, scenario):
     """moe_dispatch_sync_free: every token to every rank, expert rows sized for the worst case and padded past
     tokens_per_expert's sum; the same results as the reference (and unused experts' gradients exactly 0)."""
-    stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=["alltoall", "allgather"], ep=world,
-                            sync_free=True)
+    stats = run_distributed(world, _layer_parity, scenario=scenario, dispatchers=["alltoall"], ep=world, sync_free=True)
     print(f"world={world} {scenario} sync-free: {stats[0]}")
 
 
@@ -119,8 +115,8 @@ def test_sync_free_dispatch_matches_reference(world, scenario):
 def test_sync_free_dispatch_one_local_expert_and_capacity(num_experts, capacity):
     """E = EP sends token rows too when sync-free; with a capacity factor (no padding) the dropped routes shrink
     the rows under the same bound."""
-    stats = run_distributed(2, _layer_parity, scenario="dirichlet", dispatchers=["alltoall", "allgather"], ep=2,
-                            capacity=capacity, num_experts=num_experts, sync_free=True)
+    stats = run_distributed(2, _layer_parity, scenario="dirichlet", dispatchers=["alltoall"], ep=2, capacity=capacity,
+                            num_experts=num_experts, sync_free=True)
     print(f"E={num_experts} sync-free {capacity}: {stats[0]}")
 
 
@@ -134,16 +130,19 @@ def test_dispatchers_with_capacity(world, capacity, scenario):
     print(f"world={world} {scenario} {capacity}: {stats[0]}")
 
 
+TOKEN_CHECK = "all_gather_into_tensor(1,):torch.int64"  # ep_counts.TokenCountCheck's exchange of T
+
+
 def _collective_trace(scenario: str, dispatcher: str, capacity: str | None = None,
                       num_experts: int = NUM_EXPERTS, sync_free: bool = False) -> tuple[list[str], int]:
     """The sequence of collectives one rank issues in a forward + backward of the layer, and how many times the
-    alltoall dispatcher waited for its counts on the host."""
+    dispatcher waited for exchanged counts on the host."""
     world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
     pg = groups(world, num_experts)
     sc = SCENARIOS[scenario]
     trace: list[str] = []
     originals = {n: getattr(dist, n) for n in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor")}
-    original_wait = _CountsCopy.wait
+    original_wait = CountsCopy.wait
     waits = []
 
     def recorder(name):
@@ -159,7 +158,7 @@ def _collective_trace(scenario: str, dispatcher: str, capacity: str | None = Non
     try:
         for name in originals:
             setattr(dist, name, recorder(name))
-        _CountsCopy.wait = counting_wait
+        CountsCopy.wait = counting_wait
         config = make_config(num_experts, sc.topk, ep=world, moe_dispatch_sync_free=sync_free, **CAPACITY[capacity])
         model = ToyMoE(config, pg, dispatcher, pg.ep_rank).to(dev)
         counts = token_counts(sc, GLOBAL_TOKENS, world)
@@ -170,16 +169,15 @@ def _collective_trace(scenario: str, dispatcher: str, capacity: str | None = Non
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-        _CountsCopy.wait = original_wait
+        CountsCopy.wait = original_wait
     return trace, len(waits)
 
 
 @pytest.mark.parametrize("dispatcher,scenarios,sync_free", [
     ("alltoall", ["recv_zero", "send_zero", "one_expert", "disjoint"], False),
     ("alltoall_expert_rows", ["recv_zero", "send_zero", "disjoint"], False),
-    ("allgather", ["recv_zero", "one_expert", "disjoint"], False),
+    ("allgather", ["recv_zero", "send_zero", "one_expert", "disjoint"], False),
     ("alltoall", ["recv_zero", "one_expert", "disjoint"], True),
-    ("allgather", ["recv_zero", "disjoint"], True),
 ])
 def test_same_collectives_on_every_rank(dispatcher, scenarios, sync_free):
     """Whatever the routing (a rank sending or receiving nothing included), every rank issues the same
@@ -195,34 +193,35 @@ def test_same_collectives_on_every_rank(dispatcher, scenarios, sync_free):
 
 @pytest.mark.parametrize("capacity", [None, "pad"])
 def test_alltoall_sends_probs_inside_the_rows_and_syncs_once(capacity):
-    """Several local experts: one count exchange (none with drop_and_pad, whose splits are static), then one
-    all-to-all of packed rows (hidden + tail: the probs, and without drop_and_pad the local experts) each way per
-    dispatch and one per combine; the host waits for the counts once per dispatch (never with drop_and_pad). One
-    local expert: rows and probs travel apart."""
+    """Several local experts: one count exchange (with drop_and_pad, whose splits are static, the token-count
+    check's all-gather instead), then one all-to-all of packed rows (hidden + tail: the probs, and without
+    drop_and_pad the local experts) each way per dispatch and one per combine; the host waits for the counts once per
+    dispatch. One local expert: rows and probs travel apart."""
     hidden, topk = 16, 2
     width = packed_width(hidden, 1 if capacity else 2 * topk, torch.float32)
     count, rows = "all_to_all_single():torch.int64", f"all_to_all_single{(hidden,)}:torch.float32"
     packed, probs = f"all_to_all_single{(width,)}:torch.float32", "all_to_all_single():torch.float32"
-    head = [] if capacity else [count]
+    head = [TOKEN_CHECK] if capacity else [count]
     for trace, waits in run_distributed(2, _collective_trace, scenario="dirichlet", dispatcher="alltoall",
                                         capacity=capacity):
         assert trace == head + [packed, rows, rows, packed]  # backward: combine's mirror, then dispatch's
-        assert waits == (0 if capacity else 1)
+        assert waits == 1
     for trace, waits in run_distributed(2, _collective_trace, scenario="balanced", dispatcher="alltoall",
                                         num_experts=2):
         assert sorted(trace) == sorted([count, rows, probs, rows, rows, rows, probs]) and waits == 1
 
 
 @pytest.mark.parametrize("num_experts", [NUM_EXPERTS, 2])
-def test_sync_free_alltoall_never_waits(num_experts):
-    """Sync-free: no count exchange and no host wait; one all-to-all of packed rows each way per dispatch and per
-    combine, one local expert included."""
+def test_sync_free_alltoall_exchanges_only_the_token_count(num_experts):
+    """Sync-free, eager: no count exchange, only the token-count check (one all-gather of T, one host wait); one
+    all-to-all of packed rows each way per dispatch and per combine, one local expert included. (Compiled, the
+    check is not traced: ``test_sync_free_alltoall_layer_compiles_whole``.)"""
     hidden, num_local = 16, num_experts // 2
     width = packed_width(hidden, num_local, torch.float32)
     packed, rows = f"all_to_all_single{(width,)}:torch.float32", f"all_to_all_single{(hidden,)}:torch.float32"
     for trace, waits in run_distributed(2, _collective_trace, scenario="dirichlet", dispatcher="alltoall",
                                         num_experts=num_experts, sync_free=True):
-        assert trace == [packed, rows, rows, packed] and waits == 0
+        assert trace == [TOKEN_CHECK, packed, rows, rows, packed] and waits == 1
 
 
 def _bytes_sent(scenario: str, topk: int) -> int:
@@ -282,14 +281,11 @@ def test_alltoall_has_no_implicit_host_sync(capacity):
 
 
 @pytest.mark.skipif(BACKEND != "nccl", reason="host syncs exist on CUDA only (MOE_CORE_TEST_BACKEND=nccl)")
-@pytest.mark.parametrize("name", ["alltoall", "allgather"])
-def test_sync_free_dispatch_has_no_host_sync(name):
-    """moe_dispatch_sync_free under torch.cuda.set_sync_debug_mode("error"): the allgather dispatcher's permute no
-    longer sizes its rows on the host (without the option it does: the negative control)."""
-    assert all(run_distributed(2, _sync_free_dispatch, capacity=None, name=name, sync_free=True))
-    if name == "allgather":
-        with pytest.raises(Exception, match="synchroniz"):
-            run_distributed(2, _sync_free_dispatch, capacity=None, name=name, sync_free=False)
+@pytest.mark.parametrize("name,sync_free", [("alltoall", True), ("allgather", False)])
+def test_dispatch_has_no_implicit_host_sync(name, sync_free):
+    """Under torch.cuda.set_sync_debug_mode("error"): the sync-free all-to-all's token-count check, and the allgather
+    dispatcher's count exchange that sizes its padding and its permute, are event waits on copies already queued."""
+    assert all(run_distributed(2, _sync_free_dispatch, capacity=None, name=name, sync_free=sync_free))
 
 
 @pytest.mark.parametrize("name", ["alltoall", "allgather"])

@@ -52,7 +52,17 @@ def _route_to_first_experts(model) -> None:
         layer.router._topk_routing = topk
 
 
-def _gpt_train(wrapper: str, ep: int, dispatcher: str, routing: str, steps: int = 2, micro_batches: int = 2):
+def _uneven_rows(global_batch: int, pg) -> slice:
+    """The last DP rank gets no sequences, the others share the global batch (as evenly as it splits)."""
+    if pg.dp_rank == pg.dp_size - 1:
+        return slice(global_batch, global_batch)
+    counts = [len(part) for part in torch.arange(global_batch).tensor_split(pg.dp_size - 1)]
+    start = sum(counts[:pg.dp_rank])
+    return slice(start, start + counts[pg.dp_rank])
+
+
+def _gpt_train(wrapper: str, ep: int, dispatcher: str, routing: str, steps: int = 2, micro_batches: int = 2,
+               empty_rank: bool = False):
     world, dev = dist.get_world_size(), device()
     pg = groups(ep, NUM_EXPERTS)
     torch.manual_seed(0)
@@ -67,10 +77,10 @@ def _gpt_train(wrapper: str, ep: int, dispatcher: str, routing: str, steps: int 
     opt = torch.optim.AdamW([{"params": dense}, {"params": expert}], lr=1e-2, foreach=True)  # as in test_training
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     global_batch = BATCH_PER_RANK * world
-    rows = rank_slice(global_batch, pg)
+    rows = _uneven_rows(global_batch, pg) if empty_rank else rank_slice(global_batch, pg)
     stats: dict = {}
     for step in range(steps):
-        num_global = global_token_count(BATCH_PER_RANK * 8 * micro_batches, pg.dp, dev)
+        num_global = global_token_count((rows.stop - rows.start) * 8 * micro_batches, pg.dp, dev)
         for mb in range(micro_batches):
             if wrapper == "ddp":  # one reduction per step, as train_step defers it
                 model.set_requires_gradient_sync(mb == micro_batches - 1)
@@ -122,6 +132,16 @@ def test_gpt_training_matches_single_process(wrapper, world, ep, dispatcher, rou
     for name, value in results[0]["replicated"].items():
         for r in range(1, world):
             assert torch.equal(results[r]["replicated"][name], value), f"{name} differs on rank {r}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_gpt_training_with_an_empty_micro_batch_rank(world, dispatcher):
+    """A DP rank whose micro-batches hold no sequences (input_ids [0, S]) at EP = world: attention, router, dispatch,
+    experts and the loss run on zero tokens, and training equals the single-process run on the whole batch."""
+    results = run_distributed(world, _gpt_train, wrapper="ddp", ep=world, dispatcher=dispatcher, routing="router",
+                              empty_rank=True)
+    print(f"ddp world={world} ep={world} {dispatcher} empty rank: {results[0]['stats']}")
 
 
 def _router_loads(sequences_per_rank: list[int], forwards: int, wrap: str) -> list[float]:

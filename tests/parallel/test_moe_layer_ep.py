@@ -4,6 +4,8 @@ forced routing, biases on, and with token dropping / drop_and_pad."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -100,18 +102,15 @@ def _layer(scenario: str, dispatcher: str, capacity: str | None, overlap: bool =
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_moe_layer_matches_single_process(world, dispatcher, scenario):
-    if dispatcher == "allgather" and SCENARIOS[scenario].empty_rank is not None:
-        pytest.skip("AllGather needs the same token count on every EP rank")
     stats = run_distributed(world, _layer, scenario=scenario, dispatcher=dispatcher, capacity=None)
     print(f"world={world} {dispatcher} {scenario}: {stats[0]}")
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_moe_layer_sync_free(dispatcher):
+def test_moe_layer_sync_free():
     """moe_dispatch_sync_free with biases and a shared expert: the unused rows past tokens_per_expert's sum (their
     values unspecified) leave the output and every gradient as the single-process layer's."""
-    stats = run_distributed(2, _layer, scenario="dirichlet", dispatcher=dispatcher, capacity=None, sync_free=True)
-    print(f"world=2 {dispatcher} dirichlet sync-free: {stats[0]}")
+    stats = run_distributed(2, _layer, scenario="dirichlet", dispatcher="alltoall", capacity=None, sync_free=True)
+    print(f"world=2 alltoall dirichlet sync-free: {stats[0]}")
 
 
 def test_sync_free_alltoall_layer_compiles_whole():
@@ -139,7 +138,70 @@ def test_moe_layer_with_capacity(dispatcher, capacity):
 def test_moe_layer_with_shared_expert_overlap(dispatcher, scenario):
     """moe_shared_expert_overlap: on NCCL the shared expert runs on a side stream during the dispatch, forward
     and backward; the layer still equals the single-process one."""
-    if dispatcher == "allgather" and SCENARIOS[scenario].empty_rank is not None:
-        pytest.skip("AllGather needs the same token count on every EP rank")
     stats = run_distributed(2, _layer, scenario=scenario, dispatcher=dispatcher, capacity=None, overlap=True)
     print(f"world=2 {dispatcher} {scenario} overlap: {stats[0]}")
+
+
+def _uneven_tokens(dispatcher: str, layout: str, tokens: list[int]) -> str:
+    """A layer whose EP ranks pass ``tokens[rank]`` tokens, forward and backward; the error this rank raised, or
+    "ok"."""
+    rank, dev = dist.get_rank(), device()
+    pg = groups(dist.get_world_size(), NUM_EXPERTS)
+    kw = {"sync_free": dict(moe_dispatch_sync_free=True), "pad": CAPACITY["pad"], "dynamic": {}}[layout]
+    torch.manual_seed(0)
+    layer = MoELayer(layer_config(2, dispatcher, ep=pg.ep_size, **kw), pg).to(dev)
+    x = torch.randn(tokens[rank], 16, device=dev, requires_grad=True)
+    try:
+        layer(x).square().sum().backward()
+    except ValueError as e:
+        return str(e)
+    assert x.grad.shape == x.shape
+    return "ok"
+
+
+@pytest.mark.parametrize("dispatcher,layout", [("alltoall", "sync_free"), ("alltoall", "pad"), ("allgather", "pad")])
+@pytest.mark.parametrize("tokens", [[8, 6], [0, 8]], ids=["8-6", "0-8"])
+def test_static_layouts_refuse_different_token_counts_on_every_rank(dispatcher, layout, tokens):
+    """Layouts with static split sizes need one T on every EP rank: a rank passing another T makes every rank raise a
+    ValueError naming each rank's count (not an abort on one rank and a hang on the other). The dynamic layouts
+    take the same counts (the control)."""
+    errors = run_distributed(2, _uneven_tokens, dispatcher=dispatcher, layout=layout, tokens=tokens)
+    for error in errors:
+        assert f"same number of tokens on every EP rank, got {tokens}" in error, errors
+    assert run_distributed(2, _uneven_tokens, dispatcher=dispatcher, layout="dynamic", tokens=tokens) == ["ok"] * 2
+
+
+def _nan_token(dispatcher: str, sync_free: bool) -> bool:
+    """One NaN token among this rank's: its output stays non-finite, every other token's equals the single-process
+    layer's (whose NaN token is non-finite too)."""
+    world, rank, dev = dist.get_world_size(), dist.get_rank(), device()
+    pg = groups(world, NUM_EXPERTS)
+    # No shared expert: its NaN would hide a routed part turned to zero.
+    config = dataclasses.replace(layer_config(2, dispatcher), moe_shared_expert_intermediate_size=None)
+    torch.manual_seed(0)
+    ref = MoELayer(config).to(dev)
+    model = MoELayer(dataclasses.replace(config, expert_model_parallel_size=world,
+                                         moe_dispatch_sync_free=sync_free), pg).to(dev)
+    model.load_state_dict(ep_state(ref.state_dict(), pg.ep_rank, model.num_local_experts))
+    per_rank = GLOBAL_TOKENS // world
+    x_all = torch.randn(GLOBAL_TOKENS, 16, generator=torch.Generator().manual_seed(5)).to(dev)
+    nan_rows = torch.arange(world) * per_rank + 3  # the fourth token of every rank
+    x_all[nan_rows, 5] = float("nan")
+    with torch.no_grad():
+        out = model(x_all[rank * per_rank:(rank + 1) * per_rank])
+        out_ref = ref(x_all)[rank * per_rank:(rank + 1) * per_rank]
+    finite = torch.ones(per_rank, dtype=torch.bool, device=dev)
+    finite[3] = False
+    assert not out[3].isfinite().any(), f"rank {rank}: the NaN token's output became {out[3]}"
+    assert not out_ref[3].isfinite().any()
+    compare("finite tokens", out[finite], out_ref[finite], {})
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dispatcher,sync_free", [("alltoall", False), ("alltoall", True), ("allgather", False)])
+def test_nan_token_stays_nan(world, dispatcher, sync_free):
+    """A NaN in a token's hidden state stays visible in its output under EP, as in one process: the dispatcher must
+    not read a NaN prob as "not routed" and return an exact zero (the negative control is the single-process
+    layer's NaN)."""
+    assert all(run_distributed(world, _nan_token, dispatcher=dispatcher, sync_free=sync_free))

@@ -4,9 +4,9 @@ where every host call delays the experts.
 
 Legend: N received token rows, L local experts, K slots per row (top-k), R expert rows, B row blocks.
 
-A row n is routed to local expert e where ``values[n, e] > -inf``. Rows are expert-major, row order inside an
-expert (``moe_core.moe.moe_utils.build_row_map``'s order): the row of (n, e) is the rows of experts before e, plus
-those of e in row blocks before n's, plus those of e before n in its block.
+A row n is routed to local expert e where ``values[n, e] != -inf`` (NaN is routed: a NaN token must stay NaN). Rows are
+expert-major, row order inside an expert (``moe_core.moe.moe_utils.build_row_map``'s order): the row of (n, e) is the
+rows of experts before e, plus those of e in row blocks before n's, plus those of e before n in its block.
 """
 
 import torch
@@ -23,7 +23,7 @@ def _routed_tile(values_ptr, stride, block, N, L, BLOCK_N: tl.constexpr, BLOCK_L
     cols = tl.arange(0, BLOCK_L)
     mask = (rows[:, None] < N) & (cols[None, :] < L)
     values = tl.load(values_ptr + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=mask, other=-float("inf"))
-    return rows, cols, (values > -float("inf")).to(tl.int32)
+    return rows, cols, (values != -float("inf")).to(tl.int32)
 
 
 @triton.jit
