@@ -24,6 +24,9 @@ TOKEN_DROP_POLICIES = ("probs", "position")
 DISPATCHER_TYPES = ("alltoall", "allgather")
 ROUTER_DTYPES = ("fp32", "fp64", None)
 QK_LAYERNORM_SPANS = ("head", "projection")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
 INT64_MAX = 2**63 - 1  # sizes and counts become int64 tensors and C++ int64s
 
 
@@ -148,6 +151,18 @@ class TransformerConfig:
     """Expert TP (ETP): each expert's fc1 split by columns and fc2 by rows over this many ranks; 1 or
     tensor_model_parallel_size. None: tensor_model_parallel_size (Megatron's default)."""
 
+    # --- activation recompute (moe_core.recompute) ---
+    recompute_granularity: str | None = None
+    """None, or one of RECOMPUTE_GRANULARITIES: ``full`` recomputes whole layers (``recompute_method``),
+    ``selective`` the parts ``recompute_modules`` names."""
+    recompute_method: str | None = None
+    """With ``full``, one of RECOMPUTE_METHODS: ``uniform`` checkpoints groups of ``recompute_num_layers`` layers,
+    ``block`` the first ``recompute_num_layers`` layers one by one."""
+    recompute_num_layers: int | None = None
+    """With ``full``: the group size (``uniform``) or the number of recomputed layers (``block``)."""
+    recompute_modules: list[str] | None = None
+    """With ``selective``: entries of RECOMPUTE_MODULES; None means ``["core_attn"]`` (Megatron's default)."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
             _positive_int(self, name)
@@ -183,6 +198,36 @@ class TransformerConfig:
         self._validate_router()
         _positive_int(self, "expert_model_parallel_size")
         self._validate_tensor_parallel()
+        self._validate_recompute()
+
+    def _validate_recompute(self) -> None:
+        """Megatron's rules: ``full`` needs a method and a layer count, ``selective`` takes modules only."""
+        _choice(self, "recompute_granularity", (None, *RECOMPUTE_GRANULARITIES))
+        full = self.recompute_granularity == "full"
+        if full and (self.recompute_method is None or self.recompute_num_layers is None):
+            raise ValueError("recompute_method, recompute_num_layers: recompute_granularity 'full' needs both, got "
+                             f"{self.recompute_method!r} and {self.recompute_num_layers!r}")
+        if not full and (self.recompute_method is not None or self.recompute_num_layers is not None):
+            raise ValueError("recompute_method, recompute_num_layers: only with recompute_granularity 'full', got "
+                             f"{self.recompute_method!r} and {self.recompute_num_layers!r} with "
+                             f"{self.recompute_granularity!r}")
+        if full:
+            _choice(self, "recompute_method", RECOMPUTE_METHODS)
+            _positive_int(self, "recompute_num_layers")
+        if self.recompute_granularity != "selective":
+            if self.recompute_modules is not None:
+                raise ValueError(f"recompute_modules: only with recompute_granularity 'selective', got "
+                                 f"{self.recompute_modules!r} with {self.recompute_granularity!r}")
+            return
+        if self.recompute_modules is None:
+            self.recompute_modules = ["core_attn"]
+        if not isinstance(self.recompute_modules, list) or set(self.recompute_modules) - set(RECOMPUTE_MODULES):
+            raise ValueError(f"recompute_modules: expected a list of entries of {RECOMPUTE_MODULES}, got "
+                             f"{self.recompute_modules!r}")
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers ``module`` (an entry of RECOMPUTE_MODULES)."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
     def _validate_tensor_parallel(self) -> None:
         """TP, SP and ETP sizes: what each split needs to divide evenly (Megatron's checks)."""

@@ -15,6 +15,7 @@ from torch import nn
 from moe_core.config import TransformerConfig
 from moe_core.mlp import init_linear
 from moe_core.models.rope import apply_rope
+from moe_core.recompute import checkpoint
 
 
 def qkv_row_blocks(num_heads: int, num_query_groups: int, head_dim: int) -> list[tuple[str, int, int]]:
@@ -45,7 +46,7 @@ class SelfAttention(nn.Module):
     each query and key head (``qk_layernorm_span="head"``, Qwen3), or over the whole q projection [Nq D] and
     k projection [Nkv D] before the head split (``"projection"``, OLMoE). Init: normal(0, init_method_std);
     ``linear_proj`` with std / sqrt(2 * num_layers) (Megatron's output_layer_init_method); biases
-    (``add_bias_linear``) zero.
+    (``add_bias_linear``) zero. Selective recompute of ``core_attn`` checkpoints the SDPA call (``moe_core.recompute``).
     """
 
     def __init__(self, config: TransformerConfig):
@@ -58,6 +59,7 @@ class SelfAttention(nn.Module):
         self.linear_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear)
         init_linear(self.linear_qkv, config.init_method_std)
         init_linear(self.linear_proj, config.init_method_std / math.sqrt(2 * config.num_layers))
+        self.recompute_core_attn = config.recomputes("core_attn")
         self.q_layernorm = self.k_layernorm = None
         self.qk_layernorm_per_head = config.qk_layernorm_span == "head"
         if config.qk_layernorm:
@@ -85,8 +87,18 @@ class SelfAttention(nn.Module):
             q_BNSD, k_BNSD = self.q_layernorm(q_BNSD), self.k_layernorm(k_BNSD)
         cos, sin = rope_cos_sin
         q_BNSD, k_BNSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BNSD, cos, sin)
-        out_BNSD = F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, enable_gqa=per_group != 1)
+        core_attn = _causal_attention if per_group == 1 else _causal_gqa_attention
+        out_BNSD = (checkpoint(core_attn, q_BNSD, k_BNSD, v_BNSD) if self.recompute_core_attn
+                    else core_attn(q_BNSD, k_BNSD, v_BNSD))
         return self.linear_proj(out_BNSD.transpose(1, 2).reshape(batch, seq, groups * per_group * dim))
+
+
+def _causal_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)
+
+
+def _causal_gqa_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, enable_gqa=True)
 
 
 __all__ = ["SelfAttention", "qkv_row_blocks"]

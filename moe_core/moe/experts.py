@@ -30,6 +30,7 @@ from moe_core.mlp import MLP
 from moe_core.ops import grouped_gemm
 from moe_core.ops.swiglu import swiglu_with_probs
 from moe_core.parallel.tp_weights import local_shard
+from moe_core.recompute import recompute_output
 
 
 class GroupedLinear(nn.Module):
@@ -89,6 +90,7 @@ class GroupedMLP(nn.Module):
         self.num_local_experts = num_local_experts
         self.activation_func = config.activation_func
         self.probs_on_output = config.moe_apply_probs_on_output
+        self.recompute_activation = config.recomputes("moe_act")
         self.fc1 = GroupedLinear(num_local_experts, config.hidden_size, fc1_out, config.add_bias_linear, std)
         self.fc2 = GroupedLinear(num_local_experts, ffn, config.hidden_size, config.add_bias_linear,
                                  std / math.sqrt(2 * config.num_layers))
@@ -105,8 +107,15 @@ class GroupedMLP(nn.Module):
         if self.probs_on_output:
             out = self.fc2(activation(self.fc1(x, tokens_per_expert), self.activation_func), tokens_per_expert)
             return _scale_rows(out, permuted_probs), None
-        intermediate = _activation_with_probs(self.fc1(x, tokens_per_expert), self.activation_func, permuted_probs,
-                                              used_rows=tokens_per_expert.sum())
+        used_rows = tokens_per_expert.sum()
+
+        def act(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+            return _activation_with_probs(fc1_out, self.activation_func, probs, used_rows)
+
+        fc1_out = self.fc1(x, tokens_per_expert)
+        # moe_act recompute: fc2 keeps no copy of the activation, backward makes it again from fc1's output.
+        intermediate = (recompute_output(act, fc1_out, permuted_probs) if self.recompute_activation
+                        else act(fc1_out, permuted_probs))
         return self.fc2(intermediate, tokens_per_expert, row_scale=permuted_probs), None
 
 

@@ -27,6 +27,7 @@ from moe_core.moe.load_balancing import (
 )
 from moe_core.ops.router_gating import router_gating_linear
 from moe_core.parallel.tp_weights import tp_full
+from moe_core.recompute import is_recomputing
 
 _ROUTER_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, None: None}
 # Kept in float32 whatever dtype the module is cast to: bf16 would round away the bias's 1e-3 steps and
@@ -202,7 +203,7 @@ class TopKRouter(nn.Module):
         with torch.no_grad():
             # Padding slots of drop_and_pad are not routed rows: count kept routed rows only.
             self.tokens_per_expert = (routed_TE & routing_map_TE).sum(dim=0).float()
-            if with_losses:
+            if with_losses and not is_recomputing():  # a forward run again in backward counts once
                 self.local_tokens_per_expert += self.tokens_per_expert
         return probs_TE.float(), routing_map_TE
 
@@ -280,7 +281,10 @@ class TopKRouter(nn.Module):
 
     @torch.no_grad()
     def _accumulate_global_counts(self, counts_E: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add this forward's loads (summed over ``tp_dp_group``) to the global tracker; return its totals."""
+        """Add this forward's loads (summed over ``tp_dp_group``) to the global tracker; return its totals. A forward
+        run again in backward (activation recompute) returns the totals its first run saw, adding nothing."""
+        if is_recomputing():
+            return self.global_tokens_per_expert.clone(), self.global_num_tokens.clone()
         stats = torch.cat([counts_E.float(), counts_E.new_tensor([num_tokens], dtype=torch.float32)])
         if self.tp_dp_group is not None:
             dist.all_reduce(stats, group=self.tp_dp_group)

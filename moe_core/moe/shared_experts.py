@@ -16,6 +16,7 @@ from moe_core.config import TransformerConfig
 from moe_core.mlp import MLP
 from moe_core.moe.moe_utils import side_stream
 from moe_core.parallel.tp_weights import tp_full
+from moe_core.recompute import checkpoint
 
 
 class SharedExpertMLP(MLP):
@@ -46,8 +47,14 @@ class SharedExpertMLP(MLP):
             nn.init.normal_(self.gate_weight, mean=0.0, std=config.init_method_std)
         # Only EP dispatchers communicate: with one EP rank there is nothing to overlap.
         self.overlap = config.moe_shared_expert_overlap and config.expert_model_parallel_size > 1
+        self.recompute = config.recomputes("shared_experts")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.recompute:
+            return checkpoint(self._forward, hidden)
+        return self._forward(hidden)
+
+    def _forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = super().forward(hidden)
         if self.gate_weight is not None:
             out = out * torch.sigmoid(hidden @ tp_full(self.gate_weight).t())

@@ -33,12 +33,12 @@ BATCH_PER_RANK = 2
 MAX_NORM = 0.1
 
 
-def gpt_config(dispatcher: str, ep: int = 1) -> TransformerConfig:
+def gpt_config(dispatcher: str, ep: int = 1, **kw) -> TransformerConfig:
     return TransformerConfig(
         num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=16, vocab_size=32, seq_length=8,
         num_moe_experts=NUM_EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=8, moe_shared_expert_intermediate_size=8,
         moe_layer_freq=[0, 1], moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=0.0,
-        expert_model_parallel_size=ep,
+        expert_model_parallel_size=ep, **kw,
     )
 
 
@@ -62,12 +62,12 @@ def _uneven_rows(global_batch: int, pg) -> slice:
 
 
 def _gpt_train(wrapper: str, ep: int, dispatcher: str, routing: str, steps: int = 2, micro_batches: int = 2,
-               empty_rank: bool = False):
+               empty_rank: bool = False, recompute: dict | None = None):
     world, dev = dist.get_world_size(), device()
     pg = groups(ep, NUM_EXPERTS)
     torch.manual_seed(0)
     ref = GPTModel(gpt_config(dispatcher)).to(dev)
-    model = GPTModel(gpt_config(dispatcher, ep), pg).to(dev)
+    model = GPTModel(gpt_config(dispatcher, ep, **(recompute or {})), pg).to(dev)
     model.load_state_dict(ep_state(ref.state_dict(), pg.ep_rank, NUM_EXPERTS // ep))
     if routing == "ep_rank0_only":
         _route_to_first_experts(ref)
@@ -142,6 +142,19 @@ def test_gpt_training_with_an_empty_micro_batch_rank(world, dispatcher):
     results = run_distributed(world, _gpt_train, wrapper="ddp", ep=world, dispatcher=dispatcher, routing="router",
                               empty_rank=True)
     print(f"ddp world={world} ep={world} {dispatcher} empty rank: {results[0]['stats']}")
+
+
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    dict(recompute_granularity="selective", recompute_modules=["moe", "layernorm", "core_attn"]),
+], ids=["full", "selective-moe"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_gpt_training_with_recompute_matches_single_process(recompute, wrapper):
+    """Activation recompute under EP = 2: the recomputed MoE layer issues its all-to-alls again in backward on every
+    rank, and training equals the single-process run without recompute."""
+    results = run_distributed(2, _gpt_train, wrapper=wrapper, ep=2, dispatcher="alltoall", routing="router",
+                              recompute=recompute)
+    print(f"{wrapper} world=2 ep=2 recompute {recompute}: {results[0]['stats']}")
 
 
 def _router_loads(sequences_per_rank: list[int], forwards: int, wrap: str) -> list[float]:
