@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_core.config import TransformerConfig  # noqa: E402
 from moe_core.interop.hf import build_empty_model, load_hf_weights, read_hf_config, save_hf  # noqa: E402
 from moe_core.interop.hf_config import config_from_hf  # noqa: E402
-from moe_core.interop.hf_weights import INDEX_FILE  # noqa: E402
+from moe_core.interop.hf_files import INDEX_FILE  # noqa: E402
 from moe_core.models.gpt import GPTModel  # noqa: E402
 from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.checkpoint import load_model_weights, save_checkpoint  # noqa: E402

@@ -21,9 +21,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moe_core.config import TransformerConfig
 from moe_core.interop.hf_config import config_from_hf, config_to_hf
+from moe_core.interop.hf_files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, read_json
 from moe_core.interop.hf_weights import (
-    INDEX_FILE,
-    SINGLE_FILE,
     ExpertStack,
     SafetensorsReader,
     fill_rows,
@@ -37,16 +36,26 @@ from moe_core.models.gpt import GPTModel
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
+def hf_config_file(path: str | Path) -> Path:
+    """The ``config.json`` of the HF directory ``path`` (or of the directory of the file ``path``).
+
+    Raises:
+        FileNotFoundError: there is none.
+    """
+    file = hf_directory(path) / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"path: expected a Hugging Face directory with {CONFIG_FILE}, got {path}")
+    return file
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """The ``config.json`` of the HF directory ``path`` (or of the directory of the file ``path``) as a dict.
 
     Raises:
         FileNotFoundError: ``path`` has no ``config.json``.
+        ValueError: it is not a JSON object (naming the file, line and column).
     """
-    file = hf_directory(path) / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"path: expected a Hugging Face directory with config.json, got {path}")
-    return json.loads(file.read_text())
+    return read_json(hf_config_file(path))
 
 
 def load_hf(path: str | Path, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
@@ -65,13 +74,17 @@ def load_hf(path: str | Path, *, device: torch.device | str | None = None, dtype
         ``(config, model)``; the model is in training mode, like a freshly built one.
     Raises:
         FileNotFoundError: no ``config.json`` or safetensors file.
-        ValueError: an unsupported config field (see ``hf_config.config_from_hf``), or tensors missing,
-            unexpected or of the wrong shape.
+        ValueError: a defective or unsupported config field (see ``hf_config.config_from_hf``), a ``dtype``
+            that is no floating-point torch dtype, or tensors as ``load_hf_weights`` refuses them.
     """
-    raw = read_hf_config(path)
-    config = config_from_hf(raw)
+    file = hf_config_file(path)
+    raw = read_json(file)
+    config = config_from_hf(raw, str(file))
     if dtype is None:
-        dtype = getattr(torch, raw.get("dtype") or raw.get("torch_dtype") or "float32")
+        name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        dtype = getattr(torch, name, None) if isinstance(name, str) else None
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"{file}: dtype={name!r}: expected a floating-point torch dtype such as 'bfloat16'")
     model = build_empty_model(config, device=device, dtype=dtype)
     load_hf_weights(model, path)
     return config, model
@@ -103,9 +116,11 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path, pg_collection=None
     Returns:
         The elements read per HF tensor, ``{key: count}``.
     Raises:
+        FileNotFoundError: no safetensors file, or a shard the index names is missing.
         ValueError: parameters without a mapping (e.g. ``moe_grouped_gemm=False``), tensors missing from or
-            unexpected in the checkpoint, shapes that differ, or an expert split other than
-            ``pg_collection``'s.
+            unexpected in the checkpoint, shapes that differ, a dtype that is not floating point, NaN or Inf in
+            the rows this rank reads, a damaged file or index, an index entry that leads outside the directory
+            (each named with its file), or an expert split other than ``pg_collection``'s.
     """
     config = model.config
     sources = weight_map(config)
@@ -139,6 +154,9 @@ def _check_tensors(expected: dict[str, tuple[int, ...]], reader: SafetensorsRead
     for key, shape in expected.items():
         if reader.shape(key) != shape:
             raise ValueError(f"checkpoint: {key} has shape {reader.shape(key)}, the config implies {shape}")
+        if not reader.dtype(key).startswith(("F", "BF")):  # safetensors' names: F32, BF16, F8_E4M3, I64, BOOL, ...
+            raise ValueError(f"{reader.files[key]}: tensor {key} has dtype {reader.dtype(key)}; expected a "
+                             "floating-point dtype (integer and boolean weights are not cast)")
 
 
 def _held_block(name: str, param: torch.Tensor) -> tuple[torch.Tensor, int, int | None]:
@@ -237,4 +255,4 @@ def _parse_size(size: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
 
 
-__all__ = ["load_hf", "load_hf_weights", "build_empty_model", "save_hf", "read_hf_config"]
+__all__ = ["load_hf", "load_hf_weights", "build_empty_model", "save_hf", "read_hf_config", "hf_config_file"]
