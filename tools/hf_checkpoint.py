@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moe_core.config import TransformerConfig  # noqa: E402
 from moe_core.interop.hf import build_empty_model, load_hf_weights, read_hf_config, save_hf  # noqa: E402
 from moe_core.interop.hf_config import config_from_hf  # noqa: E402
-from moe_core.interop.hf_files import INDEX_FILE  # noqa: E402
 from moe_core.models.gpt import GPTModel  # noqa: E402
 from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.checkpoint import load_model_weights, save_checkpoint  # noqa: E402
@@ -66,21 +64,15 @@ def import_hf(hf_dir: str, out_dir: str, seq_length: int | None = None, expert_m
 
 
 def export_hf(config_path: str, load: str, out_dir: str, reference: str | None = None,
-              max_shard_size: str = "5GB", dtype: str | None = None) -> Path:
-    """Load the model weights of the checkpoint ``load`` (one process) and write them as an HF directory."""
+              max_shard_size: str = "5GB", dtype: str | None = None, overwrite: bool = False) -> Path:
+    """Load the model weights of the checkpoint ``load`` (one process) and write them as an HF directory
+    (``save_hf``: written whole or not at all; ``reference`` must describe the same model)."""
     config = TransformerConfig.from_yaml(config_path, expert_model_parallel_size=1)
     model = GPTModel(config)
     load_model_weights(load, model)
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
-    reference_config = None if reference is None else read_hf_config(reference)
-    out = save_hf(model, config, out_dir, max_shard_size=max_shard_size, reference_config=reference_config)
-    if reference is not None:  # tokenizer, generation config, ...: every top-level file that is not weights
-        for file in Path(reference).iterdir():
-            weights = file.suffix in (".safetensors", ".bin", ".pt") or file.name in ("config.json", INDEX_FILE)
-            if file.is_file() and not weights:
-                shutil.copy2(file, out / file.name)
-    return out
+    return save_hf(model, config, out_dir, max_shard_size=max_shard_size, reference=reference, overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--max-shard-size", default="5GB")
     exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                      help="dtype of the written weights (default: float32, the training weights')")
+    exp.add_argument("--overwrite", action="store_true", help="replace an earlier export in out_dir")
     args = parser.parse_args(argv)
     if args.command == "import":
         try:
@@ -110,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {out / MODEL_YAML} and {out / CHECKPOINT_DIR}; train with: python tools/pretrain_gpt.py "
               f"--config {out / MODEL_YAML} --load {out / CHECKPOINT_DIR} --finetune")
     else:
-        out = export_hf(args.config, args.load, args.out_dir, args.reference, args.max_shard_size, args.dtype)
+        out = export_hf(args.config, args.load, args.out_dir, args.reference, args.max_shard_size, args.dtype,
+                        args.overwrite)
         print(f"wrote {out}")
 
 

@@ -169,6 +169,17 @@ def _hf_moe_layers(hf: PretrainedConfig, arch: str) -> list[bool]:
     return [i not in dense and (i + 1) % hf.decoder_sparse_step == 0 for i in range(hf.num_hidden_layers)]
 
 
+def model_identity(hf: PretrainedConfig) -> dict[str, Any]:
+    """The fields that tell one model's checkpoint from another's (its shapes and architecture), by their
+    ``config.json`` names; ``moe_intermediate_size`` is the experts' width (Mixtral's and OLMoE's
+    ``intermediate_size``)."""
+    heads = hf.num_attention_heads
+    return {"model_type": hf.model_type, "vocab_size": hf.vocab_size, "hidden_size": hf.hidden_size,
+            "num_hidden_layers": hf.num_hidden_layers, "num_attention_heads": heads,
+            "num_key_value_heads": hf.num_key_value_heads or heads, "head_dim": _head_dim(hf),
+            "num_experts": hf.num_experts, "moe_intermediate_size": _expert_width(hf)}
+
+
 def hf_architecture(config: TransformerConfig) -> str:
     """The HF ``model_type`` that holds ``config``: its QK-norm tells them apart (none: Mixtral; per head:
     Qwen3-MoE; over the projection: OLMoE)."""
@@ -243,6 +254,6 @@ def _require_field(ok: bool, name: str, value: Any, expected: str) -> None:
         raise ValueError(f"config.{name}={value!r} has no Hugging Face counterpart (expected {expected})")
 
 
-__all__ = ["config_from_hf", "parse_hf_config", "config_to_hf", "hf_architecture",
+__all__ = ["config_from_hf", "parse_hf_config", "model_identity", "config_to_hf", "hf_architecture",
            "aux_loss_coeff_from_hf", "aux_loss_coeff_to_hf", "HF_CONFIG_CLASSES", "ARCHITECTURES", "INERT_KEYS",
            "MAPPED_KEYS"]

@@ -1,7 +1,7 @@
-"""What ``load_hf`` refuses, each error naming the file and the field or tensor: index entries that leave the
-directory, integer and boolean weights, NaN and Inf, contradictory or malformed config.json and index files,
-and damaged shards. The HF cache's own symlinks (snapshots into blobs) still load: the positive control of
-the containment rule."""
+"""What ``load_hf`` and ``save_hf`` refuse, each error naming the file and the field or tensor: index entries
+that leave the directory, integer and boolean weights, NaN and Inf, contradictory or malformed config.json
+and index files, damaged shards, and an export ``reference`` of another model. The HF cache's own symlinks
+(snapshots into blobs) still load: the positive control of the containment rule."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_core.interop.hf import load_hf
+from moe_core.interop.hf import load_hf, save_hf
 from moe_core.interop.hf_config import config_from_hf
 from tests.interop._common import CASES, build_hf
 
@@ -190,3 +190,25 @@ def test_equal_duplicate_fields_are_accepted(sharded):
     raw = json.loads((sharded[0] / "config.json").read_text())
     raw.update(num_experts=8, rope_theta=1e4)
     assert config_from_hf(raw) == sharded[1][0]
+
+
+@pytest.mark.parametrize("case, fields", [
+    ("mixtral-e16k4", "model_type: 'mixtral' there, 'qwen3_moe' exported.*hidden_size: 64 there, 32 exported"),
+    ("qwen3-e16k4-dense-tied", "vocab_size: 160 there, 128 exported.*num_experts: 16 there, 8 exported"),
+    ("llama", "model_type: 'llama' there, 'qwen3_moe' exported\\)"),
+])
+def test_export_reference_of_another_model_is_refused(tmp_path, case, fields):
+    build_hf(CASES["qwen3-gqa-hd16-e8k2"]()).save_pretrained(tmp_path / "hf")
+    if case == "llama":  # an architecture moe_core does not read
+        (tmp_path / "other").mkdir()
+        (tmp_path / "other" / "config.json").write_text('{"model_type": "llama", "hidden_size": 32}')
+    else:
+        build_hf(CASES[case]()).save_pretrained(tmp_path / "other")
+    config, model = load_hf(tmp_path / "hf")
+    with pytest.raises(ValueError, match=f"reference: .*other/config.json describes another model \\({fields}"):
+        save_hf(model, config, tmp_path / "out", reference=tmp_path / "other")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    save_hf(model, config, tmp_path / "out", reference=tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "generation_config.json",
+                                                                      "model.safetensors", "tokenizer.json"]
