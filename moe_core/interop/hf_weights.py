@@ -13,16 +13,16 @@ first; ``fc2[e] [F, H] = down_e.T``). HF checkpoints keep one tensor per expert 
 
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
 
 from moe_core.config import TransformerConfig
 from moe_core.interop.hf_config import hf_architecture
+from moe_core.interop.hf_files import open_safetensors, weight_files
 from moe_core.models.attention import qkv_row_blocks
 
 # (MoE block, gate, up, down) names of the HF expert tensors.
@@ -31,8 +31,6 @@ EXPERT_NAMES = {
     "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
 }
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -123,24 +121,19 @@ def hf_directory(path: str | Path) -> Path:
 
 class SafetensorsReader:
     """Rows of the tensors of an HF directory's safetensors files (``model.safetensors``, or the shards of
-    ``model.safetensors.index.json``), read lazily: only the rows asked for leave the file.
+    ``model.safetensors.index.json``, ``hf_files.weight_files``), read lazily: only the rows asked for leave the
+    file.
 
     Counts the elements read per key in ``elements_read``. Use as a context manager (closes the files).
 
     Raises:
-        FileNotFoundError: the directory has neither file.
+        FileNotFoundError: the directory has neither file, or a shard the index names is missing.
+        ValueError: an index entry that leads outside the directory; a damaged file, a tensor its file lacks,
+            or rows holding NaN or Inf (each named with the file and the tensor).
     """
 
     def __init__(self, directory: str | Path):
-        directory = hf_directory(directory)
-        if (directory / INDEX_FILE).is_file():
-            weight_map_ = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
-            self.files = {key: directory / name for key, name in weight_map_.items()}
-        elif (directory / SINGLE_FILE).is_file():
-            with safe_open(directory / SINGLE_FILE, framework="pt") as f:
-                self.files = dict.fromkeys(f.keys(), directory / SINGLE_FILE)
-        else:
-            raise FileNotFoundError(f"path: expected {SINGLE_FILE} or {INDEX_FILE} in {directory}")
+        self.files = weight_files(hf_directory(directory))
         self._stack = ExitStack()
         self._handles: dict[Path, object] = {}
         self.elements_read: dict[str, int] = {}
@@ -154,16 +147,26 @@ class SafetensorsReader:
     def _slice(self, key: str):
         path = self.files[key]
         if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._handles[path].get_slice(key)
+            self._handles[path] = self._stack.enter_context(open_safetensors(path))
+        try:
+            return self._handles[path].get_slice(key)
+        except SafetensorError as e:
+            raise ValueError(f"{path}: tensor {key}: {e}") from e
 
     def shape(self, key: str) -> tuple[int, ...]:
         return tuple(self._slice(key).get_shape())
 
+    def dtype(self, key: str) -> str:
+        """Tensor ``key``'s safetensors dtype name: ``"F32"``, ``"BF16"``, ``"I64"``, ``"BOOL"``, ..."""
+        return self._slice(key).get_dtype()
+
     def rows(self, key: str, start: int, stop: int, columns: tuple[int, int] | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of tensor ``key`` (dim 0), only ``columns`` ``(first, last)`` of dim 1 when given
-        (safetensors reads just those bytes)."""
+        (safetensors reads just those bytes), checked finite."""
         block = self._slice(key)[start:stop] if columns is None else self._slice(key)[start:stop, columns[0]:columns[1]]
+        if not bool(torch.isfinite(block if block.element_size() > 1 else block.float()).all()):
+            raise ValueError(f"{self.files[key]}: tensor {key} holds NaN or Inf (in rows {start}:{stop}); refusing "
+                             "to load it")
         self.elements_read[key] = self.elements_read.get(key, 0) + block.numel()
         return block
 
