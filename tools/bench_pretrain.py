@@ -14,15 +14,16 @@ weights) starting from the weights moe_core's ``build_model`` gives; ``native_co
 Every step trains on one fixed random batch of ``micro_batch_size`` sequences. ``--enable-cuda-graph``: both compiled
 providers replay their layers as CUDA graphs (torch.compile's ``reduce-overhead`` mode per layer).
 
-Per provider: ``--warmup`` steps (compilation happens there), then ``--steps`` steps timed with CUDA events
-(median, 10-90 percentile spread); tokens/s over the median step; peak memory (weights, AdamW states and
-activations: ``torch.cuda.max_memory_allocated`` above what was allocated before the provider was built); the
-first and last loss. MFU is the trainer's: ``GPTModel.flops_per_token()`` (PaLM: 6 N_active + 12 L Nq D S)
-times tokens/s over the bf16 peak in moe_core.training.trainer's ``PEAK_BF16_TFLOPS`` (``mfu()``);
-``mfu_causal`` counts half the attention term (6 L Nq D S: the causal mask skips half of Q K^T and A V), the
-convention of the TRL Qwen3-MoE report (Llama 2/3's). ``--profile``: torch.profiler over 3 steps of each
-provider, CUDA time by category (attention, GEMM, optimizer incl. gradient clipping, rest; name patterns in
-tools/_bench_common.py) and the top 10 kernels.
+Per provider: ``--warmup`` steps (compilation happens there), then ``--steps`` steps timed with CUDA events (median,
+10-90 percentile spread); tokens/s over the median step; peak memory (weights, AdamW states and activations:
+``torch.cuda.max_memory_allocated`` above what was allocated before the provider was built); the first and last loss.
+MFU is the trainer's: ``GPTModel.flops_per_token()`` (PaLM: 6 N_active + 12 L Nq D S) times tokens/s over the bf16 peak
+in moe_core.training.trainer's ``PEAK_BF16_TFLOPS`` (``mfu()``); ``mfu_causal`` counts half the attention term (6 L Nq D
+S: the causal mask skips half of Q K^T and A V), the convention of the TRL Qwen3-MoE report (Llama 2/3's);
+``megatron_tflops_per_gpu`` is model TFLOP/s per GPU by Megatron-LM's count (``moe_core.models.flops``), the figure
+Megatron's published recipes quote. ``--profile``: torch.profiler over 3 steps of each provider, CUDA time by category
+(attention, GEMM, optimizer incl. gradient clipping, rest; name patterns in tools/_bench_common.py) and the top 10
+kernels.
 
 Under torchrun (``WORLD_SIZE`` > 1; NCCL on GPUs, gloo on CPU): expert parallelism over all ranks. Providers
 ``moe_core`` and ``moe_core_compiled`` only (the native trainer has no EP). Each runs twice per config: with
@@ -67,6 +68,7 @@ from _bench_common import print_table as print_rows  # noqa: E402
 from _bench_dist import slowest_rank  # noqa: E402
 
 from moe_core import TransformerConfig  # noqa: E402
+from moe_core.models.flops import megatron_flops_per_token  # noqa: E402
 from moe_core.models.gpt import GPTModel  # noqa: E402
 from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
@@ -96,7 +98,8 @@ def flop_counts(model_config: TransformerConfig) -> dict:
     cfg = model_config
     causal = palm - 6 * cfg.num_layers * cfg.num_attention_heads * cfg.kv_channels * cfg.seq_length
     return dict(params=gpt.num_parameters(), active_params=gpt.num_parameters(active=True),
-                flops_per_token=palm, flops_per_token_causal=causal)
+                flops_per_token=palm, flops_per_token_causal=causal,
+                flops_per_token_megatron=megatron_flops_per_token(model_config))
 
 
 def build_step(provider: str, model_config: TransformerConfig, training: TrainingConfig, inputs, labels, pg=None,
@@ -161,6 +164,7 @@ def bench_provider(provider: str, model_config: TransformerConfig, training: Tra
     row.update(first_loss=first_loss, last_loss=last_loss, tokens_per_step=inputs.numel(), tokens_per_s=tokens_per_s,
                mfu=mfu(counts["flops_per_token"], tokens_per_s, device),
                mfu_causal=mfu(counts["flops_per_token_causal"], tokens_per_s, device), peak_gib=peak_gib,
+               megatron_tflops_per_gpu=counts["flops_per_token_megatron"] * tokens_per_s / 1e12,
                ep=1 if pg is None else pg.ep_size)
     if args.profile:
         split = breakdown(kernel_times(step, 3, device), CATEGORIES)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from moe_core.config import TransformerConfig
+from moe_core.models.flops import megatron_flops_per_token
 from moe_core.models.gpt import GPTModel
 from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.loss import reduce_loss_for_logging
@@ -233,6 +234,9 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
             if pg is not None and pg.ep_size > 1:
                 metrics["ep_load_imbalance"] = ep_load_imbalance(state.model, pg)
             gpus = state.dp_size * (1 if pg is None else pg.tp_size)
+            # Model TFLOP/s per GPU as Megatron counts them, to compare with its published figures.
+            per_gpu = tokens_per_second / gpus
+            metrics["megatron_tflops_per_gpu"] = megatron_flops_per_token(model_config) * per_gpu / 1e12
             utilisation = mfu(whole.flops_per_token(), tokens_per_second / gpus, state.device)
             if utilisation is not None:
                 metrics["mfu"] = utilisation

@@ -72,7 +72,8 @@ def test_smoke_writes_a_row_per_provider_and_both_trainers_follow_one_trajectory
     for provider, row in rows.items():
         assert "error" not in row, row.get("error")
         for key in ("median_ms", "min_ms", "max_ms", "spread", "tokens_per_s", "first_loss", "last_loss",
-                    "flops_per_token", "flops_per_token_causal"):
+                    "flops_per_token", "flops_per_token_causal", "flops_per_token_megatron",
+                    "megatron_tflops_per_gpu"):
             assert math.isfinite(row[key]) and row[key] >= 0, (provider, key, row[key])
         assert row["tokens_per_step"] == 2 * 16 and row["mfu"] is None and row["mfu_causal"] is None  # CPU: no MFU
         assert row["last_loss"] < row["first_loss"]  # it trains
