@@ -237,7 +237,7 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
             # Model TFLOP/s per GPU as Megatron counts them, to compare with its published figures.
             per_gpu = tokens_per_second / gpus
             metrics["megatron_tflops_per_gpu"] = megatron_flops_per_token(model_config) * per_gpu / 1e12
-            utilisation = mfu(whole.flops_per_token(), tokens_per_second / gpus, state.device)
+            utilisation = mfu(whole.flops_per_token(), per_gpu, state.device)
             if utilisation is not None:
                 metrics["mfu"] = utilisation
             if state.device.type == "cuda":
