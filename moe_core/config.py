@@ -8,8 +8,13 @@ happens in ``__post_init__`` and raises ``ValueError``/``TypeError`` naming the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
+import stat
+import types
+import typing
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,7 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mlp", "moe", "shared_experts")
 INT64_MAX = 2**63 - 1  # sizes and counts become int64 tensors and C++ int64s
+CONFIG_SECTIONS = ("model", "training")  # the top-level keys of a run's YAML
 
 
 @dataclass(kw_only=True)
@@ -164,6 +170,7 @@ class TransformerConfig:
     """With ``selective``: entries of RECOMPUTE_MODULES; None means ``["core_attn"]`` (Megatron's default)."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
             _positive_int(self, name)
         if self.cross_entropy_chunk_size is not None:
@@ -233,8 +240,6 @@ class TransformerConfig:
         """TP, SP and ETP sizes: what each split needs to divide evenly (Megatron's checks)."""
         _positive_int(self, "tensor_model_parallel_size")
         tp = self.tensor_model_parallel_size
-        if not isinstance(self.sequence_parallel, bool):
-            raise TypeError(f"sequence_parallel: expected bool, got {type(self.sequence_parallel).__name__}")
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = tp
         _positive_int(self, "expert_tensor_parallel_size")
@@ -404,9 +409,8 @@ class TransformerConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> TransformerConfig:
-        """Load the ``model:`` section of a YAML file (or the whole file), then apply ``overrides``."""
-        data = load_yaml(path)
-        values = dict(data.get("model", data))
+        """The ``model:`` section of the run YAML ``path`` (``load_config_section``), then non-None ``overrides``."""
+        values = dict(load_config_section(path, "model"))
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.from_dict(values)
 
@@ -445,7 +449,29 @@ _YAML_FLOAT = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]
 
 
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 floats (``3e-3`` is a float)."""
+    """PyYAML's safe loader with YAML 1.2 floats (``3e-3`` is a float), without anchors and aliases (nested
+    aliases expand exponentially: a few lines can exhaust memory) and without duplicate keys (which would take the
+    last value silently)."""
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            got = f"{'*' if isinstance(event, yaml.AliasEvent) else '&'}{event.anchor}"
+            raise yaml.composer.ComposerError(None, None, f"anchors and aliases are not allowed, got {got}; write "
+                                              "the value out", event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        first_line = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # the base class refuses it
+            if key in first_line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first_line[key]})", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 _Loader.yaml_implicit_resolvers = {k: list(v) for k, v in _Loader.yaml_implicit_resolvers.items()}
@@ -457,18 +483,114 @@ for _first in list("-+0123456789."):
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML_FLOAT, list("-+0123456789."))
 
 
+def require_regular_file(name: str, path: str | Path) -> Path:
+    """``path`` as a ``Path`` once it is checked to be a regular file (after symlinks): a FIFO would block the
+    reader and a device such as ``/dev/zero`` never ends.
+
+    Raises:
+        ValueError: ``path`` is missing or not a regular file; names the argument ``name`` and the path.
+    """
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError as e:
+        raise ValueError(f"{name}: {path}: cannot read it ({e.strerror})") from e
+    if not stat.S_ISREG(mode):
+        kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+                stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(mode), "another kind of file")
+        raise ValueError(f"{name}: {path}: expected a regular file, got {kind}")
+    return Path(path)
+
+
 def load_yaml(path: str | Path) -> dict:
-    """The mapping in the YAML file ``path`` (empty file: ``{}``), numbers read as YAML 1.2 reads them."""
-    data = yaml.load(Path(path).read_text(), Loader=_Loader) or {}
+    """The mapping in the YAML file ``path`` (empty file: ``{}``), numbers read as YAML 1.2 reads them.
+
+    Raises:
+        ValueError: ``path`` is not a regular file, is not UTF-8 or not valid YAML, holds an anchor, an alias or a
+            key given twice in one mapping, or is not a mapping; names the file (and the line).
+    """
+    text = require_regular_file("config", path).read_bytes()
+    try:
+        data = yaml.load(text.decode("utf-8"), Loader=_Loader) or {}
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: byte {e.start} is not valid UTF-8 ({e.reason})") from e
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        raise ValueError(f"{where}: {e.problem or e.context}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: invalid YAML ({e})") from e
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a YAML mapping at the top level, got {type(data).__name__}")
     return data
 
 
+def load_config_section(path: str | Path, section: str) -> dict:
+    """The ``section`` mapping (one of CONFIG_SECTIONS) of the run YAML ``path``; ``{}`` when absent or empty.
+
+    Raises:
+        ValueError: as ``load_yaml``, a top-level key that is not one of CONFIG_SECTIONS (a misspelled
+            ``training:`` would otherwise be ignored), or a section that is not a mapping; names the file.
+    """
+    data = load_yaml(path)
+    unknown = sorted(set(data) - set(CONFIG_SECTIONS), key=str)
+    if unknown:
+        raise ValueError(f"{path}: unknown top-level sections {unknown}; a config holds only "
+                         f"{', '.join(s + ':' for s in CONFIG_SECTIONS)}")
+    values = data.get(section) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: {section}: expected a mapping of fields, got {type(values).__name__}")
+    return values
+
+
+def check_field_types(config: Any) -> None:
+    """Check every field of the dataclass instance ``config`` against its annotation: ``bool`` only True or
+    False (a YAML ``"false"`` is a string), ``int`` an int but not a bool, ``float`` an int or float but not a
+    bool, ``str``, ``None``, ``list[X]`` and unions of these.
+
+    Raises:
+        TypeError: names the first field that does not match, what it expects and what came.
+    """
+    for name, annotation in _field_types(type(config)).items():
+        value = getattr(config, name)
+        if not _matches(value, annotation):
+            raise TypeError(f"{name}: expected {_describe(annotation)}, got {type(value).__name__} ({value!r})")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+_SCALARS = {bool: ("a bool", "bools"), int: ("an int", "ints"), float: ("a number", "numbers"),
+            str: ("a string", "strings"), type(None): ("None", "Nones")}
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return any(_matches(value, arg) for arg in typing.get_args(annotation))
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation in _SCALARS:
+        return isinstance(value, annotation)
+    raise TypeError(f"check_field_types: annotation {annotation} is not supported")
+
+
+def _describe(annotation: Any) -> str:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return " or ".join(_describe(arg) for arg in typing.get_args(annotation))
+    if typing.get_origin(annotation) is list:
+        return f"a list of {_SCALARS[typing.get_args(annotation)[0]][1]}"
+    return _SCALARS[annotation][0]
+
+
 def _positive_int(cfg: TransformerConfig, name: str) -> None:
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected int, got {type(value).__name__} ({value!r})")
+    value = getattr(cfg, name)  # an int: check_field_types ran
     if not 1 <= value <= INT64_MAX:
         raise ValueError(f"{name}: expected a positive int <= 2**63 - 1, got {value}")
 

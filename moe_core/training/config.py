@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from moe_core.config import INT64_MAX, check_number, load_yaml
+from moe_core.config import INT64_MAX, check_field_types, check_number, load_config_section
 
 DECODE_ERRORS = ("strict", "replace", "ignore", "backslashreplace")
 
@@ -99,14 +99,14 @@ class TrainingConfig:
     micro-batches' gradients stay alive until the step ends). On CPU the layers run compiled, without graphs."""
 
     def __post_init__(self) -> None:
-        for name in ("micro_batch_size", "train_iters", "log_interval", "eval_iters"):
-            _check_int(name, getattr(self, name), optional=False)
-        for name in ("global_batch_size", "eval_interval", "save_interval", "exit_interval"):
-            _check_int(name, getattr(self, name), optional=True)
-        _check_int("seed", self.seed, optional=False, minimum=0)
-        _check_int("lr_warmup_iters", self.lr_warmup_iters, optional=False, minimum=0)
-        _check_int("save_keep", self.save_keep, optional=False)
-        _check_int("max_skipped_steps", self.max_skipped_steps, optional=False, minimum=0)
+        if isinstance(self.data_path, str):
+            self.data_path = [self.data_path]
+        check_field_types(self)
+        for name in ("micro_batch_size", "train_iters", "log_interval", "eval_iters", "global_batch_size",
+                     "eval_interval", "save_interval", "exit_interval", "save_keep"):
+            _check_int(name, getattr(self, name))
+        for name in ("seed", "lr_warmup_iters", "max_skipped_steps"):
+            _check_int(name, getattr(self, name), minimum=0)
         self._check_floats()
         if self.min_lr > self.lr:
             raise ValueError(
@@ -121,8 +121,6 @@ class TrainingConfig:
                              f"anew every step), got compile={self.compile}, use_torch_fsdp2={self.use_torch_fsdp2}")
         if self.finetune and not self.load:
             raise ValueError("finetune: expected a checkpoint to take the weights from (load), got load=None")
-        if isinstance(self.data_path, str):
-            self.data_path = [self.data_path]
         self.decode_args()
 
     def _check_floats(self) -> None:
@@ -142,8 +140,6 @@ class TrainingConfig:
         Raises:
             ValueError: an unknown codec or an errors policy not in DECODE_ERRORS.
         """
-        if not isinstance(self.data_encoding, str):
-            raise TypeError(f"data_encoding: expected a str, got {type(self.data_encoding).__name__}")
         codec, _, errors = self.data_encoding.partition(":")
         errors = errors or "strict"
         try:
@@ -172,8 +168,9 @@ class TrainingConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> TrainingConfig:
-        """The ``training:`` section of ``path`` (missing: defaults), then non-None ``overrides``."""
-        values = dict(load_yaml(path).get("training", {}))
+        """The ``training:`` section of the run YAML ``path`` (``load_config_section``; missing: defaults), then
+        non-None ``overrides``."""
+        values = dict(load_config_section(path, "training"))
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
@@ -181,13 +178,9 @@ class TrainingConfig:
         return cls(**values)
 
 
-def _check_int(name: str, value: Any, *, optional: bool, minimum: int = 1) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        expected = "an int or None" if optional else "an int"
-        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} ({value!r})")
-    if not minimum <= value <= INT64_MAX:
+def _check_int(name: str, value: int | None, *, minimum: int = 1) -> None:
+    """Range of an int field (None passes: check_field_types allowed it)."""
+    if value is not None and not minimum <= value <= INT64_MAX:
         raise ValueError(f"{name}: expected an int >= {minimum} and <= 2**63 - 1, got {value}")
 
 

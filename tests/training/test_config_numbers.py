@@ -59,7 +59,7 @@ def test_training_config_rejects_non_finite(name, value):
     (dict(moe_router_bias_update_rate=-1e-3), r"moe_router_bias_update_rate: expected a finite number >= 0"),
     (dict(layernorm_epsilon=0.0), r"layernorm_epsilon: expected a finite number > 0"),
     (dict(moe_z_loss_coeff="1e-3"), r"moe_z_loss_coeff: expected a number or None, got str \('1e-3'\)"),
-    (dict(moe_aux_loss_coeff=True), r"moe_aux_loss_coeff: expected a number, got bool"),
+    (dict(moe_aux_loss_coeff=True), r"moe_aux_loss_coeff: expected a number or a list of numbers, got bool"),
 ])
 def test_transformer_config_ranges(overrides, message):
     with pytest.raises((ValueError, TypeError), match=message):
