@@ -39,6 +39,7 @@ from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.parallel.tensor_parallel import apply_tensor_parallel
 from moe_core.training.config import TrainingConfig
+from moe_core.training.memory import check_model_fits
 from moe_core.training.schedule import build_scheduler
 
 
@@ -188,11 +189,13 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
 
     Raises:
         ValueError: the process groups' EP size differs from ``model_config.expert_model_parallel_size``
-            (``GPTModel`` checks it); ``cfg.enable_cuda_graph`` where graphs could not replay (``_check_cuda_graph``).
+            (``GPTModel`` checks it); ``cfg.enable_cuda_graph`` where graphs could not replay (``_check_cuda_graph``);
+            the model cannot fit in the device's memory (``memory.check_model_fits``, before anything is allocated).
     """
     if cfg.enable_cuda_graph:
         _check_cuda_graph(model_config, pg_collection)
     device = training_device(pg_collection)
+    check_model_fits(model_config, device, pg_collection)
     model = build_model(model_config, cfg, device, pg_collection)
     ddp = _wraps_with_ddp(cfg, pg_collection)
     if cfg.compile:
