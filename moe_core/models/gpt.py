@@ -69,14 +69,18 @@ class GPTModel(nn.Module):
             rank's own tokens.
         Raises:
             TypeError: ``input_ids`` is not an int64 / int32 tensor, or ``labels`` not an int64 one.
-            ValueError: ``input_ids`` is not 2-D, ``labels`` has another shape, or under TP S is not a multiple
-                of the TP size.
+            ValueError: ``input_ids`` is not 2-D, ``labels`` has another shape, under TP S is not a multiple
+                of the TP size, or (CPU tensors, outside torch.compile) an id of ``input_ids`` is outside
+                ``[0, V)`` or a label outside ``[0, V)`` and not -100. CUDA ids are not checked here, as that
+                would cost a host sync per forward: an id out of range trips the embedding's or the loss's
+                device-side assert (the trainer checks the tokenizer's ids against V at start-up).
         """
-        _check_ids("input_ids", input_ids, (torch.int64, torch.int32))
+        vocab_size = self.config.vocab_size
+        _check_ids("input_ids", input_ids, (torch.int64, torch.int32), vocab_size)
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids: expected [B, S], got shape {tuple(input_ids.shape)}")
         if labels is not None:
-            _check_ids("labels", labels, (torch.int64,))
+            _check_ids("labels", labels, (torch.int64,), vocab_size, ignore_index=-100)
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
         tp = 1 if self.tp_mesh is None else self.tp_mesh.size()
@@ -142,10 +146,23 @@ class GPTModel(nn.Module):
         return float(6 * matmul_params + attention)
 
 
-def _check_ids(name: str, ids: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+def _check_ids(name: str, ids: torch.Tensor, dtypes: tuple[torch.dtype, ...], vocab_size: int,
+               ignore_index: int | None = None) -> None:
+    """``ids``' dtype, and on the CPU outside compilation (no host sync) that each id is in ``[0, vocab_size)``
+    or ``ignore_index``."""
     if not isinstance(ids, torch.Tensor) or ids.dtype not in dtypes:
         got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise TypeError(f"{name}: expected a tensor of {' or '.join(map(str, dtypes))}, got {got}")
+    if ids.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore_index is not None:
+        bad &= ids != ignore_index
+    if bad.any():
+        allowed = f"[0, {vocab_size}) (vocab_size {vocab_size})"
+        if ignore_index is not None:
+            allowed += f" or {ignore_index}"
+        raise ValueError(f"{name}: expected token ids in {allowed}, got {ids[bad][0].item()}")
 
 
 __all__ = ["GPTModel"]

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_core.config import require_regular_file
+
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 VALID_PERCENT = 5
 
@@ -41,9 +43,10 @@ def read_text(path: Path, encoding: str = "utf-8", errors: str = "strict") -> st
     """The file decoded with ``bytes.decode(encoding, errors)``.
 
     Raises:
-        ValueError: under ``errors="strict"``, a byte that does not decode; names the file, line and byte.
+        ValueError: ``path`` is missing or not a regular file (a FIFO would block, ``/dev/zero`` never ends), or,
+            under ``errors="strict"``, a byte does not decode; names the file (and the line and byte).
     """
-    data = path.read_bytes()
+    data = require_regular_file("data_path", path).read_bytes()
     try:
         return data.decode(encoding, errors)
     except UnicodeDecodeError as e:
@@ -93,7 +96,8 @@ def build_token_streams(data_path: list[str] | None, tokenizer, encoding: str = 
     document is split by tokens (module docstring). ``encoding`` / ``errors``: see ``read_text``.
 
     Raises:
-        ValueError: no documents, a document too short to split, or a ``read_documents`` error.
+        ValueError: no documents, a document too short to split, a ``read_documents`` error, or a token id outside
+            ``[0, tokenizer.vocab_size)``.
     """
     paths = stdlib_sources() if data_path is None else [Path(p) for p in data_path]
     docs = read_documents(paths, encoding, errors)
@@ -103,7 +107,7 @@ def build_token_streams(data_path: list[str] | None, tokenizer, encoding: str = 
         if cut == 0 or cut == len(tokens):
             raise ValueError(f"data_path: {docs[0][0]} has {len(tokens)} tokens, too few to split into train and "
                              "validation")
-        return {"train": tokens[:cut], "valid": tokens[cut:]}
+        return _check_ids({"train": tokens[:cut], "valid": tokens[cut:]}, tokenizer.vocab_size)
     splits: dict[str, list[str]] = {"train": [], "valid": []}
     for name, text in docs:
         splits["valid" if is_validation(name) else "train"].append(text)
@@ -114,7 +118,17 @@ def build_token_streams(data_path: list[str] | None, tokenizer, encoding: str = 
         if not texts:
             raise ValueError(f"data_path: the {split} split is empty ({len(docs)} documents in all)")
         out[split] = tokenizer.encode("\n".join(texts))
-    return out
+    return _check_ids(out, tokenizer.vocab_size)
+
+
+def _check_ids(streams: dict[str, np.ndarray], vocab_size: int) -> dict[str, np.ndarray]:
+    """``streams`` once every id is checked to lie in ``[0, vocab_size)``, the rows of the model's embedding."""
+    for split, tokens in streams.items():
+        if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
+            bad = tokens.max() if tokens.max() >= vocab_size else tokens.min()
+            raise ValueError(f"tokenizer: the {split} split holds token id {bad}, outside the tokenizer's "
+                             f"[0, vocab_size) = [0, {vocab_size})")
+    return streams
 
 
 def sample_batch(tokens: np.ndarray, batch_size: int, seq_length: int, seed: int, step: int

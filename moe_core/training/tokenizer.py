@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_core.config import require_regular_file
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens; ``vocab_size`` 256, losses are in nats per byte."""
@@ -17,20 +19,28 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A ``tokenizer.json`` loaded with the ``tokenizers`` library (Rust, fast batch encoding)."""
+    """A ``tokenizer.json`` loaded with the ``tokenizers`` library (Rust, fast batch encoding).
+
+    ``vocab_size`` is the largest token id (added tokens included) plus one, the embedding rows its ids need: a
+    vocabulary with gaps in its ids has fewer tokens than that (``tokenizers``' ``get_vocab_size`` counts tokens).
+    """
 
     unit = "token"
 
     def __init__(self, path: str):
         """Raises ``ValueError`` naming ``path`` (and the line and column the parser gives) when the file is
-        missing or not a valid tokenizer.json."""
+        missing, not a regular file, not a valid tokenizer.json, or has no tokens."""
         from tokenizers import Tokenizer
 
+        require_regular_file("tokenizer", path)
         try:
             self._tokenizer = Tokenizer.from_file(path)
         except Exception as e:  # noqa: BLE001 - the Rust parser raises a bare Exception
             raise ValueError(f"tokenizer: {path}: not a loadable Hugging Face tokenizer.json ({e})") from None
-        self.vocab_size = self._tokenizer.get_vocab_size()
+        ids = self._tokenizer.get_vocab(with_added_tokens=True).values()
+        if not ids:
+            raise ValueError(f"tokenizer: {path}: the vocabulary is empty")
+        self.vocab_size = max(ids) + 1
 
     def encode(self, text: str) -> np.ndarray:
         """``text`` -> ``[n]`` int32 token ids."""

@@ -160,9 +160,8 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
         check_save_dir(cfg.save)  # fail now, not at the first save after hours of training
     tokenizer = build_tokenizer(cfg.tokenizer)
     if tokenizer.vocab_size > model_config.vocab_size:
-        raise ValueError(
-            f"vocab_size: the tokenizer has {tokenizer.vocab_size} tokens, the model only {model_config.vocab_size}"
-        )
+        raise ValueError(f"vocab_size: the tokenizer's ids need {tokenizer.vocab_size} embedding rows (its largest id "
+                         f"is {tokenizer.vocab_size - 1}), the model's vocab_size is {model_config.vocab_size}")
     streams = build_token_streams(cfg.data_path, tokenizer, *cfg.decode_args())
     state = setup_training(model_config, cfg, pg)
     if pg is not None:

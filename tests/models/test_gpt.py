@@ -74,6 +74,23 @@ def test_bad_inputs_raise_naming_the_argument(ids, labels, error, match):
         model(ids, labels)
 
 
+@pytest.mark.parametrize("where, value, dtype, name, allowed", [
+    ((1, 3), VOCAB, torch.int64, "input_ids", ""), ((0, 0), -1, torch.int32, "input_ids", ""),
+    ((1, 3), VOCAB, torch.int64, "labels", " or -100"), ((0, 5), -2, torch.int64, "labels", " or -100"),
+])
+def test_token_ids_outside_the_vocabulary_raise(where, value, dtype, name, allowed):
+    """Instead of the embedding's bare IndexError ("index out of range in self") or the loss's ("Target 64 is out
+    of bounds"); label -100 is the ignore index and passes."""
+    model = GPTModel(tiny_config(num_moe_experts=None))
+    ids = torch.randint(0, VOCAB, (2, SEQ), dtype=dtype)
+    labels = torch.full((2, SEQ), -100)
+    model(ids, labels)
+    (ids if name == "input_ids" else labels)[where] = value
+    with pytest.raises(ValueError, match=rf"^{name}: expected token ids in \[0, {VOCAB}\) \(vocab_size {VOCAB}\)"
+                                         rf"{allowed}, got {value}$"):
+        model(ids, labels)
+
+
 @pytest.mark.parametrize("num_moe_experts", [None, 4])
 def test_causal(num_moe_experts):
     torch.manual_seed(0)
