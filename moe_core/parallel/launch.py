@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
+import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
+from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.process_groups import (
     ProcessGroupCollection,
     build_process_groups,
     check_expert_split,
     check_parallel_sizes,
+    default_device_type,
 )
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -80,6 +86,47 @@ def destroy_distributed() -> None:
     dist.destroy_process_group()
 
 
+def check_ranks_agree(**configs: Any) -> None:
+    """Raise on every rank unless every rank of the default group holds equal ``configs`` (name -> dataclass
+    instance, e.g. ``model=TransformerConfig, training=TrainingConfig``): ranks launched with different flags
+    would otherwise train together on different settings. No field may differ, paths included: every rank reads
+    the same data and checkpoints, and reports what rank 0 writes.
+
+    Collective over the default group, the same on every rank: one all-gather of a SHA-256 fingerprint of the
+    fields (on this rank's CUDA device under NCCL); only when the fingerprints differ, which every rank sees
+    alike, one ``all_gather_object`` of the fields to name those that differ. A no-op without torch.distributed.
+
+    Raises:
+        ValueError: the configurations differ; names each differing field with its values and their ranks.
+    """
+    if not dist.is_initialized():
+        return
+    fields = {name: dataclasses.asdict(config) for name, config in configs.items()}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
+    device = torch.device("cuda", torch.cuda.current_device()) if default_device_type() == "cuda" else "cpu"
+    mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    with named_collective("all_gather (run configuration fingerprint)"):
+        dist.all_gather(gathered, mine)
+    fingerprints = torch.stack(gathered).cpu()  # [world, 32]
+    if (fingerprints == fingerprints[0]).all():
+        return
+    every_rank: list[Any] = [None] * len(gathered)
+    with named_collective("all_gather_object (run configurations)"):
+        dist.all_gather_object(every_rank, fields)
+    differences = []
+    for section, values in fields.items():
+        for name in values:
+            by_value: dict[str, list[int]] = {}
+            for rank, other in enumerate(every_rank):
+                by_value.setdefault(json.dumps(other[section][name]), []).append(rank)
+            if len(by_value) > 1:
+                seen = ", ".join(f"{value} on ranks {ranks}" for value, ranks in by_value.items())
+                differences.append(f"{name} ({section}): {seen}")
+    raise ValueError(f"rank {dist.get_rank()}: the ranks were given different run configurations; launch every rank "
+                     f"with the same flags and YAML: {'; '.join(differences)}")
+
+
 def rank_slice(global_batch_size: int, pg_collection: ProcessGroupCollection | None) -> slice:
     """The rows of a global batch that this DP rank trains on: contiguous, distinct per DP rank (the TP ranks
     of a DP rank share them).
@@ -95,4 +142,4 @@ def rank_slice(global_batch_size: int, pg_collection: ProcessGroupCollection | N
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-__all__ = ["init_distributed", "rank_slice"]
+__all__ = ["init_distributed", "check_ranks_agree", "rank_slice"]

@@ -25,6 +25,7 @@ from moe_core.config import TransformerConfig
 from moe_core.models.flops import megatron_flops_per_token
 from moe_core.models.gpt import GPTModel
 from moe_core.parallel.collective_errors import named_collective
+from moe_core.parallel.launch import check_ranks_agree
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.training.checkpoint import check_save_dir, load_checkpoint, load_model_weights, save_checkpoint
@@ -150,9 +151,12 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
              pg_collection: ProcessGroupCollection | None = None) -> RunSummary:
     """Train a ``GPTModel`` on ``cfg``'s corpus and return the run's summary; see the module docstring.
 
-    ``pg_collection``: the ranks' groups (``moe_core.parallel.launch.init_distributed``), None for one process.
+    ``pg_collection``: the ranks' groups (``moe_core.parallel.launch.init_distributed``), None for one process;
+    every rank must pass equal configs (``check_ranks_agree`` raises naming the fields that differ).
     """
     pg = pg_collection
+    if pg is not None:
+        check_ranks_agree(model=model_config, training=cfg)
     is_logger = pg is None or dist.get_rank() == 0
     if not is_logger:
         log = _silent

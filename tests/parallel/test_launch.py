@@ -115,3 +115,67 @@ def test_timeout_must_be_positive(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(ValueError, match="timeout: expected a positive timedelta"):
         init_distributed(1, timeout=datetime.timedelta(0))
+
+
+def _check_agreement(field: str | None, value) -> str | None:
+    """check_ranks_agree with rank 1's ``field`` of TrainingConfig set to ``value`` (None: equal configs); the
+    error each rank raised, or None."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from moe_core.config import TransformerConfig
+    from moe_core.parallel.launch import check_ranks_agree
+    from moe_core.training.config import TrainingConfig
+
+    model = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, num_moe_experts=4)
+    training = TrainingConfig(lr=1e-3, seed=1, save="ckpt")
+    if field is not None and dist.get_rank() == 1:
+        training = dataclasses.replace(training, **{field: value})
+    try:
+        check_ranks_agree(model=model, training=training)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("field, value, shown", [("lr", 2e-3, "lr (training): 0.001 on ranks [0], 0.002 on ranks [1]"),
+                                                 ("seed", 2, "seed (training): 1 on ranks [0], 2 on ranks [1]"),
+                                                 ("save", "other", 'save (training): "ckpt" on ranks [0], "other" on '
+                                                                   "ranks [1]")])
+def test_ranks_with_different_configs_fail_on_every_rank(field, value, shown):
+    from tests.parallel._launch import run_distributed
+
+    errors = run_distributed(2, _check_agreement, field=field, value=value)
+    for rank, error in enumerate(errors):
+        assert error == (f"rank {rank}: the ranks were given different run configurations; launch every rank with "
+                         f"the same flags and YAML: {shown}")
+
+
+def test_ranks_with_equal_configs_pass():
+    from tests.parallel._launch import run_distributed
+
+    assert run_distributed(2, _check_agreement, field=None, value=None) == [None, None]
+
+
+def _pretrain_with_lr_of_rank() -> str:
+    import torch.distributed as dist
+
+    from moe_core.config import TransformerConfig
+    from moe_core.training.config import TrainingConfig
+    from moe_core.training.trainer import pretrain
+    from tests.parallel._common import groups
+
+    model = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                              expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="different run configurations") as error:
+        pretrain(model, TrainingConfig(lr=1e-3 * (1 + dist.get_rank())), pg_collection=groups(2, 4))
+    return str(error.value)
+
+
+def test_pretrain_checks_the_ranks_agree_first():
+    """Before any data is read or any model is built, so no rank trains with another's settings."""
+    from tests.parallel._launch import run_distributed
+
+    assert all("lr (training): 0.001 on ranks [0], 0.002 on ranks [1]" in e
+               for e in run_distributed(2, _pretrain_with_lr_of_rank))
