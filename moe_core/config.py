@@ -105,7 +105,9 @@ class TransformerConfig:
     the worst case (each token on all its local experts), the rows past ``tokens_per_expert``'s sum unused.
     Static shapes for a data-dependent routing (the all-to-all exchange then compiles into the layer's graph), at
     the cost of memory; worth it at small EP, where almost every token reaches every rank anyway. Every EP rank
-    must pass the same number of tokens. moe_core's name; DeepEP's low-latency mode makes the same trade."""
+    must pass the same number of tokens. The all-to-all dispatcher's only: the all-gather one sizes its rows from
+    exchanged counts either way, so the pair is refused. moe_core's name; DeepEP's low-latency mode makes the same
+    trade."""
 
     # --- router ---
     moe_router_score_function: str = "softmax"
@@ -301,6 +303,9 @@ class TransformerConfig:
                 f"first_k_dense_replace must be in [0, num_layers={self.num_layers}], got {self.first_k_dense_replace}"
             )
         _choice(self, "moe_token_dispatcher_type", DISPATCHER_TYPES)
+        if self.moe_dispatch_sync_free and self.moe_token_dispatcher_type != "alltoall":
+            raise ValueError(f"moe_dispatch_sync_free: only the all-to-all dispatcher has a sync-free exchange; with "
+                             f"moe_token_dispatcher_type {self.moe_token_dispatcher_type!r} it would do nothing")
         if self.num_moe_experts % self.expert_model_parallel_size:
             raise ValueError(
                 f"num_moe_experts ({self.num_moe_experts}) must be divisible by "

@@ -123,6 +123,8 @@ def test_tiny_config_loads():
     (dict(num_moe_experts=4, moe_pad_expert_input_to_capacity=True), ValueError, "moe_expert_capacity_factor"),
     (dict(num_moe_experts=4, moe_shared_expert_overlap=True), ValueError, "moe_shared_expert_intermediate_size"),
     (dict(num_moe_experts=4, moe_layer_freq=[1, 0, 1]), ValueError, "moe_layer_freq"),
+    (dict(num_moe_experts=4, moe_token_dispatcher_type="allgather", moe_dispatch_sync_free=True), ValueError,
+     r"^moe_dispatch_sync_free: only the all-to-all dispatcher .* 'allgather' it would do nothing$"),
     (dict(tensor_model_parallel_size=0), ValueError, "tensor_model_parallel_size"),
     (dict(tensor_model_parallel_size=2), ValueError, r"sequence_parallel: tensor_model_parallel_size 2 requires"),
     (dict(tensor_model_parallel_size=4, sequence_parallel=True, num_query_groups=2), ValueError,
