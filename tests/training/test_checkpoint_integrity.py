@@ -1,5 +1,6 @@
-"""Checkpoint layout and fingerprints: step_<N>/ directories, ``latest``, rotation, the architecture check
-and the partial load, refusing non-finite weights, and --save checked before training."""
+"""Checkpoint layout and fingerprints: step_<N>/ directories, ``latest``, rotation, what a save replaces and
+what it refuses to, the architecture check and the partial load, refusing non-finite weights, and --save checked
+before training."""
 
 from __future__ import annotations
 
@@ -61,6 +62,46 @@ def test_an_unusable_latest_falls_back_to_the_newest_complete(tmp_path, pointer)
                      "loading step_2, the newest complete one"]
 
 
+@pytest.mark.parametrize("kind", ["file", "directory", "link"])
+def test_a_stale_tmp_entry_is_replaced(tmp_path, kind):
+    """A ``step_<N>.tmp`` is the saver's (a crash leaves one): whatever it is, the next save deletes it."""
+    stale = tmp_path / "step_1.tmp"
+    if kind == "file":
+        stale.write_text("left by a crash")
+    elif kind == "directory":
+        (stale / "sub").mkdir(parents=True)
+    else:
+        stale.symlink_to(tmp_path / "nowhere")
+    (tmp_path / "step_7.tmp").write_text("")  # another step's
+    assert _save(tmp_path, _state(), 1) == tmp_path / "step_1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1"]
+    assert _load(tmp_path, _state()) == 1
+
+
+@pytest.mark.parametrize("name, kind, described", [
+    ("step_2", "file", "not a directory"), ("step_2", "directory", "a directory without manifest.json"),
+    ("step_9", "file", "not a directory"), ("latest", "directory", "not a file"),
+])
+def test_what_save_did_not_write_is_never_replaced(tmp_path, name, kind, described):
+    """A ``step_<N>`` that is no checkpoint (or a ``latest`` that is no file) is the user's: a save refuses to
+    start, naming it, and leaves the save directory as it was."""
+    state = _state()
+    _save(tmp_path, state, 1)
+    foreign = tmp_path / name
+    if name == "latest":
+        foreign.unlink()
+    if kind == "file":
+        foreign.write_text("the user's")
+    else:
+        (foreign / "notes.txt").parent.mkdir()
+        (foreign / "notes.txt").write_text("the user's")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match=rf"save: {tmp_path} holds what save_checkpoint did not write under a name "
+                                         rf"it writes: {foreign} \({described}\); .*move it away or save elsewhere"):
+        _save(tmp_path, state, 2)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
 def test_non_finite_weights_are_never_saved(tmp_path):
     state = _state()
     _save(tmp_path, state, 1)
@@ -114,11 +155,18 @@ def test_partial_load_takes_the_matching_weights_only(tmp_path):
     assert "num_moe_experts: 4 in the checkpoint, 8 now" in notes[0]
 
 
-def test_unwritable_save_fails_before_training(tmp_path):
+@pytest.mark.parametrize("blocked", ["unwritable", "foreign"])
+def test_a_save_directory_that_would_fail_fails_before_training(tmp_path, blocked):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    cfg = dataclasses.replace(TRAINING, save=str(blocker / "ckpt"), output_dir=str(tmp_path / "out"))
-    with pytest.raises(ValueError, match=rf"save: cannot write checkpoints to {blocker / 'ckpt'}: .*Not a directory"):
+    if blocked == "unwritable":
+        save, message = blocker / "ckpt", rf"save: cannot write checkpoints to {blocker / 'ckpt'}: .*Not a directory"
+    else:  # a step far beyond the run's: found at start-up, not after hours of training
+        (tmp_path / "ckpt").mkdir()
+        (tmp_path / "ckpt" / "step_5000").write_text("")
+        save, message = tmp_path / "ckpt", rf"{tmp_path / 'ckpt' / 'step_5000'} \(not a directory\)"
+    cfg = dataclasses.replace(TRAINING, save=str(save), output_dir=str(tmp_path / "out"))
+    with pytest.raises(ValueError, match=message):
         pretrain(MODEL, cfg, log=lambda *_: None)
     assert not (tmp_path / "out").exists()  # nothing ran
 
