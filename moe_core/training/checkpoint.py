@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -138,7 +139,10 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
 
     Raises:
         RuntimeError: a weight or optimizer moment is not finite (nothing is written).
-        OSError: the file system refused (the previous checkpoints are untouched).
+        ValueError: ``save_dir`` holds a ``step_<N>`` that is no checkpoint, or a ``latest`` that is no file
+            (naming it; nothing is written).
+        OSError: the file system refused, naming the checkpoint, the file and, errno ENOSPC, that the disk is full
+            (the previous checkpoints are untouched, ``latest`` names the last of them).
     """
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     _check_finite(step, model_sd, optim_sd)
@@ -154,16 +158,19 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     tensors = {"model": model_views(model_sd, layout, pg_collection),
                "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)},
                "rng": {_rng_key(): _rng_state()}}
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    _on_rank0(lambda: files.write_durably(tmp / files.STATE, state_json))
-    digests = _shared_over_ranks(sorted(p.name for p in tmp.iterdir()), lambda names: files.digest_files(tmp, names))
-
-    def finish() -> Path:
+    try:
+        dcp.save(tensors, storage_writer=files.dcp_writer(tmp))
+        _on_rank0(lambda: files.write_durably(tmp / files.STATE, state_json))
+        digests = _shared_over_ranks(sorted(p.name for p in tmp.iterdir()),
+                                     lambda names: files.digest_files(tmp, names))
         manifest = json.dumps({"format": FORMAT, "files": dict(sorted(digests.items()))}, indent=1).encode()
-        files.write_durably(tmp / files.MANIFEST, manifest)
-        return files.publish(tmp, keep)
-
-    return _on_rank0(finish)
+        _on_rank0(lambda: files.write_durably(tmp / files.MANIFEST, manifest))
+    except (OSError, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        error = files.save_error(Path(save_dir) / files.step_dir_name(step), e)
+        if error is None:
+            raise
+        raise error from e
+    return _on_rank0(lambda: files.publish(tmp, keep))
 
 
 def architecture_differences(saved: dict | None, current: TransformerConfig | None) -> dict[str, tuple]:

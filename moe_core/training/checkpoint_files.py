@@ -17,24 +17,33 @@ manifest detects corruption (a truncated or changed file); it is no signature: w
 can rewrite it too, so loading never trusts the files' contents to be benign (checkpoint_metadata).
 
 A save never deletes what it did not write: a ``step_<N>`` that is not a complete checkpoint (a file, a
-directory without manifest) or a ``latest`` that is not a file stops it before anything is written.
+directory without manifest) or a ``latest`` that is not a file stops it before anything is written. A write
+that fails raises an ``OSError`` naming its file, with its errno (ENOSPC: the disk is full).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TMP_SUFFIX = ".tmp"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CheckpointError(ValueError):
@@ -54,9 +63,69 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The first ``OSError`` of ``error``'s chain (itself, then its cause or context, ...): torch's writer
+    reports a failed write as a RuntimeError from inline_container.cc whose context is the OSError."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Re-raise an error caused by an ``OSError`` while writing ``path`` as an ``OSError`` with its errno and
+    ``path`` as the file name (a failed write or fsync names no file; torch's writer hides the OSError)."""
+    try:
+        yield
+    except Exception as e:
+        found = _os_error(e)
+        if found is None or (found is e and found.filename is not None):
+            raise
+        raise OSError(found.errno, found.strerror or str(found), str(path)) from e
+
+
+class _NamingFileSystem(FileSystem):
+    """DCP's file system with every stream's failure re-raised by ``writing``, naming its file."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator:
+        with writing(Path(path)), super().create_stream(path, mode) as stream:
+            yield stream
+
+
+def dcp_writer(directory: Path) -> FileSystemWriter:
+    """DCP's writer into ``directory``, fsyncing its files and naming the file of a failed write."""
+    writer = FileSystemWriter(directory, sync_files=True)
+    writer.fs = _NamingFileSystem()
+    return writer
+
+
+def save_error(checkpoint: Path, error: BaseException) -> OSError | None:
+    """What a save of ``checkpoint`` (``save_dir/step_<N>``) that failed with ``error`` raises: an ``OSError``
+    naming the checkpoint and the file (``writing``), saying when the disk is full (ENOSPC, EDQUOT); None
+    when no OSError caused ``error``. ``error`` may be DCP's ``CheckpointException``: the lowest failed
+    rank's error counts."""
+    if isinstance(error, CheckpointException):
+        error = error.failures[min(error.failures)][0]
+    found = _os_error(error)
+    if found is None:
+        return None
+    full = "the disk is full: " if found.errno in _DISK_FULL else ""
+    return OSError(found.errno, f"save: the checkpoint {checkpoint} was not written: {full}{found}; "
+                                f"{checkpoint.parent / LATEST} still names the previous one")
+
+
 def write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (the directory entry is made durable by the caller)."""
-    with open(path, "wb") as f:
+    """Write ``data`` to ``path`` and fsync it (the directory entry is made durable by the caller).
+
+    Raises:
+        OSError: naming ``path`` (``writing``).
+    """
+    with writing(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -233,4 +302,5 @@ def check_writable(save_dir: str | os.PathLike) -> None:
 
 
 __all__ = ["CheckpointError", "MANIFEST", "STATE", "LATEST", "check_files", "check_writable", "complete_checkpoints",
-           "digest_files", "prepare_step_dir", "publish", "read_manifest", "resolve_checkpoint", "write_durably"]
+           "dcp_writer", "digest_files", "prepare_step_dir", "publish", "read_manifest", "resolve_checkpoint",
+           "save_error", "write_durably", "writing"]
