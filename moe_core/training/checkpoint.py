@@ -1,7 +1,8 @@
 """Checkpoints that load in any process layout, are published atomically and never run code when loaded.
 
 Layout and publication: ``checkpoint_files`` (``save/step_<N>/``, a ``latest`` pointer, the last ``keep``
-kept, a SHA-256 manifest). Safety of loading: ``checkpoint_metadata``.
+kept, a SHA-256 manifest). Safety of loading: ``checkpoint_metadata`` (DCP's pickle), ``checkpoint_state``
+(state.json's fields).
 
 What a checkpoint holds:
 
@@ -20,10 +21,11 @@ FSDP2) placed in the single-process tensor, expert tensors with their EP rank's 
 full state dict, on save or load, and DCP reads any other layout's shards (TP, EP, FSDP2 or DP sizes, one
 process) by their offsets.
 
-Loading checks, in order, before any tensor is read: the manifest (sizes and SHA-256 of every file), the
-architecture (``TransformerConfig`` fields outside ``RESUMABLE_FIELDS`` must be equal unless ``partial``), the
-seed, then the allow-list unpickling of ``.metadata``. A checkpoint with a non-finite weight or moment is never
-written.
+Loading checks, in order, before any tensor is read: the manifest (sizes and SHA-256 of every file), the type
+and range of every field of state.json, the architecture (``TransformerConfig`` fields outside
+``RESUMABLE_FIELDS`` must be equal unless ``partial``), the allow-list unpickling of ``.metadata``, then for a
+resume the seed and the schedule (``checkpoint_state.check_resumable``). A checkpoint with a non-finite weight
+or moment is never written.
 """
 
 from __future__ import annotations
@@ -53,9 +55,9 @@ from moe_core.training import checkpoint_files as files
 from moe_core.training.checkpoint_files import CheckpointError
 from moe_core.training.checkpoint_layout import layouts, model_views, optimizer_views
 from moe_core.training.checkpoint_metadata import VerifiedReader, read_metadata
+from moe_core.training.checkpoint_state import FORMAT, check_resumable, read_state
 
 _OPTIONS = StateDictOptions(full_state_dict=False)  # sharded: each rank's own DTensor shards
-FORMAT = "moe_core.checkpoint.v2"
 # TransformerConfig fields a checkpoint may be loaded under with other values: the parallel layout and
 # settings of training, not of the function the weights compute. Every other field must match.
 RESUMABLE_FIELDS = frozenset({
@@ -189,31 +191,22 @@ def architecture_differences(saved: dict | None, current: TransformerConfig | No
     return diffs
 
 
-def _restore_groups(saved_groups: list[dict], live_groups: list[dict], where: Path) -> list[dict]:
+def _restore_groups(saved_groups: list[dict], live_groups: list[dict]) -> list[dict]:
     """AdamW's param groups: the saved hyper-parameters (lists back to tuples where the live optimizer has
     tuples: betas) over the live groups' parameter names (another layout names other local experts)."""
-    if len(saved_groups) != len(live_groups):
-        raise CheckpointError(f"load: {where} has {len(saved_groups)} optimizer param groups, the optimizer "
-                              f"{len(live_groups)}")
     return [{**{k: tuple(v) if isinstance(live.get(k), tuple) else v for k, v in saved.items()},
              "params": live["params"]} for saved, live in zip(saved_groups, live_groups, strict=True)]
 
 
 def _read_state(directory: Path, manifest: dict) -> dict:
-    """Verify every file against the manifest (split over the ranks), then parse state.json."""
+    """Verify every file against the manifest (split over the ranks), then read and check state.json."""
     def check(names: list[str]) -> dict[str, list[str]]:
         return {name: found for name in names if (found := files.check_files(directory, {name: manifest[name]}))}
 
     problems = _shared_over_ranks(sorted(manifest), check)
     if problems:
         raise CheckpointError(f"load: {directory} is corrupt: " + "; ".join(m for ms in problems.values() for m in ms))
-    try:
-        state = json.loads((directory / files.STATE).read_text())
-    except ValueError as e:
-        raise CheckpointError(f"load: {directory / files.STATE} is not JSON: {e}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"load: {directory / files.STATE} is not a {FORMAT} state")
-    return state
+    return read_state(directory / files.STATE)
 
 
 def _open_checkpoint(path: str | os.PathLike, model_config: TransformerConfig | None,
@@ -246,8 +239,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
             the optimizer, schedule, RNG and step stay fresh and the return value is 0.
         log: receives notes (a ``latest`` that could not be followed, what a partial load skipped).
     Raises:
-        CheckpointError (a ValueError): no complete checkpoint, a missing or corrupt file (named), an unsafe
-            ``.metadata``, another architecture (naming the fields) without ``partial``, or another seed.
+        CheckpointError (a ValueError): no complete checkpoint, a missing or corrupt file (named), a field of
+            state.json of another type or out of its range, an unsafe ``.metadata``, another architecture (naming
+            the fields) without ``partial``, another seed, or another schedule (``lr``; see
+            ``checkpoint_state.check_resumable``).
     """
     log = log or (lambda _msg: None)
     directory, state, diffs, metadata = _open_checkpoint(path, model_config, log)
@@ -269,24 +264,25 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         log(f"load: partial load of {directory}: {len(matching)} of {len(views)} tensors; kept fresh: "
             f"{skipped or 'none'}; architecture differences: {diffs or 'none'}")
         return 0
-    if seed is not None and state.get("seed") != seed:
-        raise CheckpointError(f"seed: the checkpoint in {directory} was trained with seed {state.get('seed')}, "
+    if seed is not None and state["seed"] != seed:
+        raise CheckpointError(f"seed: the checkpoint in {directory} was trained with seed {state['seed']}, "
                               f"got {seed}")
+    check_resumable(directory / files.STATE, state, scheduler.state_dict(), optim_sd["param_groups"])
     tensors = {"model": views, "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)}}
     # Only the RNG entries this checkpoint has: another world size, or no CUDA when it was saved.
     rng = {k: v for k, v in _rng_state().items() if f"rng.{_rng_key()}.{k}" in metadata.state_dict_metadata}
     if rng:
         tensors["rng"] = {_rng_key(): rng}
     dcp.load(tensors, storage_reader=reader)
-    groups = _restore_groups(state["optimizer_param_groups"], optim_sd["param_groups"], directory)
-    optim_sd = {"state": optim_sd["state"], "param_groups": groups}
+    optim_sd = {"state": optim_sd["state"],
+                "param_groups": _restore_groups(state["optimizer_param_groups"], optim_sd["param_groups"])}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
     scheduler.load_state_dict(state["scheduler"])
     if "cpu" in rng:
         torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
-    return int(state["step"])
+    return state["step"]
 
 
 def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_collection=None, *,
@@ -294,7 +290,7 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_colle
                        log: Callable[[str], None] | None = None) -> None:
     """Restore only the model's weights from a checkpoint (Megatron's ``--finetune``): the optimizer, schedule,
     step, seed and RNG states stay fresh. Any process layout, like ``load_checkpoint``, and the same checks
-    (manifest, allow-listed ``.metadata``, the architecture when ``model_config`` is given).
+    (manifest, state.json, allow-listed ``.metadata``, the architecture when ``model_config`` is given).
 
     Raises:
         CheckpointError (a ValueError): as ``load_checkpoint``; also a weight the checkpoint lacks.
