@@ -24,7 +24,8 @@ process) by their offsets.
 Loading checks, in order, before any tensor is read: the manifest (sizes and SHA-256 of every file), the type
 and range of every field of state.json, the architecture (``TransformerConfig`` fields outside
 ``RESUMABLE_FIELDS`` must be equal unless ``partial``), the allow-list unpickling of ``.metadata``, then for a
-resume the seed and the schedule (``checkpoint_state.check_resumable``). A checkpoint with a non-finite weight
+resume the seed and the schedule (``checkpoint_state.check_resumable``). After the read, every floating-point
+tensor read (weights, buffers, AdamW's moments and step) must be finite. A checkpoint with a non-finite weight
 or moment is never written.
 """
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -112,24 +114,44 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _check_finite(step: int, model_sd: dict, optim_sd: dict) -> None:
-    """Raise on every rank when any rank's shard of a weight or moment is not finite (one all-reduce)."""
-    tensors = {f"model.{k}": _local(v) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
-    tensors.update({f"optim.{n}.{k}": _local(v) for n, s in optim_sd["state"].items() for k, v in s.items()
-                    if isinstance(v, torch.Tensor)})
-    floats = {k: v for k, v in tensors.items() if v.is_floating_point() and v.numel()}
-    bad = next((k for k, v in floats.items() if not bool(torch.isfinite(v).all())), None)
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested state dict's leaves by DCP's key (``model.<name>``, ``optim.state.<name>.exp_avg``)."""
+    out = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def _first_non_finite(tree: dict) -> str | None:
+    """The key of the first floating-point tensor of ``tree`` (a nested state dict; a DTensor by this rank's
+    shard) that holds NaN or Inf on any rank, or None. One pass (a multi-tensor max |x| per device and dtype) and
+    one host sync; collective over all ranks (one all-reduce, and an all-gather of the keys once one is found)."""
+    locals_ = {k: _local(v) for k, v in _flatten(tree).items() if isinstance(v, torch.Tensor)}
+    named = {k: v for k, v in locals_.items() if v.is_floating_point() and v.numel()}  # a shard may be empty
     if dist.is_initialized():
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([bad is not None], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            names: list = [None] * dist.get_world_size()
-            dist.all_gather_object(names, bad)
-            bad = next(name for name in names if name is not None)
-    if bad is not None:
-        raise RuntimeError(f"save_checkpoint: refusing to save step {step}: {bad} holds NaN or Inf (the previous "
-                           "checkpoint stays the latest)")
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    else:
+        device = next((v.device for v in named.values() if v.is_cuda), torch.device("cpu"))
+    batches: dict[tuple, dict[str, torch.Tensor]] = {}
+    for key, tensor in named.items():
+        batches.setdefault((tensor.device, tensor.dtype), {})[key] = tensor
+    maxima = {key: m for batch in batches.values()
+              for key, m in zip(batch, torch._foreach_norm(list(batch.values()), math.inf), strict=True)}
+    # A host-to-device copy need not wait (its source is read at once); the other way round would have to.
+    moved = [maxima[k].float().to(device, non_blocking=device.type == "cuda") for k in named]
+    finite = (torch.stack(moved) if moved else torch.zeros(0, device=device)).isfinite()  # [tensors] bool
+    bad = (~finite).any().int()
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bad.item():
+        return None
+    first = next((k for k, ok in zip(named, finite.tolist(), strict=True) if not ok), None)
+    if not dist.is_initialized():
+        return first
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, first)
+    return next(key for key in keys if key is not None)
 
 
 def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -147,8 +169,14 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
             (the previous checkpoints are untouched, ``latest`` names the last of them).
     """
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    _check_finite(step, model_sd, optim_sd)
     layout = layouts(model, pg_collection)
+    tensors = {"model": model_views(model_sd, layout, pg_collection),
+               "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)},
+               "rng": {_rng_key(): _rng_state()}}
+    bad = _first_non_finite(tensors)
+    if bad is not None:
+        raise RuntimeError(f"save_checkpoint: refusing to save step {step}: {bad} holds NaN or Inf (the previous "
+                           "checkpoint stays the latest)")
     state = {
         "format": FORMAT, "step": step, "seed": seed, "scheduler": scheduler.state_dict(),
         "optimizer_param_groups": optim_sd["param_groups"],
@@ -157,9 +185,6 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     }
     state_json = json.dumps(state, indent=1, allow_nan=False).encode()
     tmp = _on_rank0(lambda: files.prepare_step_dir(save_dir, step))
-    tensors = {"model": model_views(model_sd, layout, pg_collection),
-               "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)},
-               "rng": {_rng_key(): _rng_state()}}
     try:
         dcp.save(tensors, storage_writer=files.dcp_writer(tmp))
         _on_rank0(lambda: files.write_durably(tmp / files.STATE, state_json))
@@ -223,6 +248,16 @@ def _open_checkpoint(path: str | os.PathLike, model_config: TransformerConfig | 
     return directory, state, listed, read_metadata(directory, set(manifest))
 
 
+def _read_tensors(directory: Path, tensors: dict, metadata: Any) -> None:
+    """``dcp.load`` of ``tensors`` (in place) from the checked ``metadata``, then refuse a non-finite one."""
+    dcp.load(tensors, storage_reader=VerifiedReader(directory, metadata))
+    bad = _first_non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(f"load: {bad} in {directory} holds NaN or Inf (save_checkpoint never writes one: the "
+                              "files were written by another tool or changed with their manifest); load another "
+                              "checkpoint")
+
+
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, pg_collection=None, *,
                     seed: int | None = None, model_config: TransformerConfig | None = None, partial: bool = False,
@@ -241,15 +276,15 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     Raises:
         CheckpointError (a ValueError): no complete checkpoint, a missing or corrupt file (named), a field of
             state.json of another type or out of its range, an unsafe ``.metadata``, another architecture (naming
-            the fields) without ``partial``, another seed, or another schedule (``lr``; see
-            ``checkpoint_state.check_resumable``).
+            the fields) without ``partial``, another seed, another schedule (``lr``; see
+            ``checkpoint_state.check_resumable``), or a tensor holding NaN or Inf (named; the model and optimizer
+            then hold what was read).
     """
     log = log or (lambda _msg: None)
     directory, state, diffs, metadata = _open_checkpoint(path, model_config, log)
     if diffs and not partial:
         raise CheckpointError(f"load: {directory} holds another architecture ({diffs}); pass load_partial "
                               "(--load-partial) to load the matching weights only")
-    reader = VerifiedReader(directory, metadata)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     layout = layouts(model, pg_collection)
     # The views share storage with model_sd / optim_sd's tensors (the live shards): dcp.load fills them in place.
@@ -258,7 +293,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         saved = metadata.state_dict_metadata
         matching = {k: v for k, v in views.items()
                     if f"model.{k}" in saved and tuple(saved[f"model.{k}"].size) == tuple(v.shape)}
-        dcp.load({"model": matching}, storage_reader=reader)
+        _read_tensors(directory, {"model": matching}, metadata)
         set_model_state_dict(model, model_sd, options=_OPTIONS)
         skipped = sorted(set(views) - set(matching))
         log(f"load: partial load of {directory}: {len(matching)} of {len(views)} tensors; kept fresh: "
@@ -273,7 +308,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
     rng = {k: v for k, v in _rng_state().items() if f"rng.{_rng_key()}.{k}" in metadata.state_dict_metadata}
     if rng:
         tensors["rng"] = {_rng_key(): rng}
-    dcp.load(tensors, storage_reader=reader)
+    _read_tensors(directory, tensors, metadata)
     optim_sd = {"state": optim_sd["state"],
                 "param_groups": _restore_groups(state["optimizer_param_groups"], optim_sd["param_groups"])}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
@@ -290,7 +325,8 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_colle
                        log: Callable[[str], None] | None = None) -> None:
     """Restore only the model's weights from a checkpoint (Megatron's ``--finetune``): the optimizer, schedule,
     step, seed and RNG states stay fresh. Any process layout, like ``load_checkpoint``, and the same checks
-    (manifest, state.json, allow-listed ``.metadata``, the architecture when ``model_config`` is given).
+    (manifest, state.json, allow-listed ``.metadata``, the architecture when ``model_config`` is given, finite
+    values).
 
     Raises:
         CheckpointError (a ValueError): as ``load_checkpoint``; also a weight the checkpoint lacks.
@@ -303,7 +339,7 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_colle
     missing = sorted(k for k in views if f"model.{k}" not in metadata.state_dict_metadata)
     if missing:
         raise CheckpointError(f"load: {directory} lacks the weights {missing}")
-    dcp.load({"model": views}, storage_reader=VerifiedReader(directory, metadata))
+    _read_tensors(directory, {"model": views}, metadata)
     set_model_state_dict(model, model_sd, options=_OPTIONS)
 
 

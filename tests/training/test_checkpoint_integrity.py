@@ -1,17 +1,20 @@
 """Checkpoint layout and fingerprints: step_<N>/ directories, ``latest``, rotation, what a save replaces and
-what it refuses to, the architecture check and the partial load, refusing non-finite weights, and --save checked
-before training."""
+what it refuses to, the architecture check and the partial load, refusing non-finite weights on save and on load,
+and --save checked before training."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from moe_core.config import TransformerConfig
-from moe_core.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from moe_core.training import checkpoint
+from moe_core.training.checkpoint import CheckpointError, load_checkpoint, load_model_weights, save_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.step import setup_training
 from moe_core.training.trainer import pretrain
@@ -185,3 +188,69 @@ def test_pretrain_loads_another_architecture_only_when_partial(tmp_path):
                        log=printed.append)
     assert len(summary.train_losses) == 2  # from step 0
     assert any(line.startswith("load: partial load of") and "kept fresh: none" in line for line in printed)
+
+
+def _save_non_finite(tmp_path, monkeypatch, where: str) -> str:
+    """A checkpoint (step 1, manifest intact) with one NaN, as another tool could write it: the save's own
+    check is switched off. Returns the tensor's key."""
+    state = _state()
+    get_state_dict(state.model, state.optimizer)  # creates AdamW's state (zero moments)
+    weight = state.model.decoder.layers[1].mlp.experts.fc2.weight
+    with torch.no_grad():
+        (weight if where == "model" else state.optimizer.state[weight]["exp_avg"])[0, 0, 0] = float("nan")
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "_first_non_finite", lambda tree: None)
+        _save(tmp_path, state, 1)
+    prefix = "model." if where == "model" else "optim.state."
+    suffix = "" if where == "model" else ".exp_avg"
+    return f"{prefix}decoder.layers.1.mlp.experts.fc2.weight{suffix}"
+
+
+@pytest.mark.parametrize("loader", ["load", "finetune", "partial"])
+@pytest.mark.parametrize("where", ["model", "optimizer"])
+def test_non_finite_values_are_refused_at_load(tmp_path, monkeypatch, where, loader):
+    key = _save_non_finite(tmp_path, monkeypatch, where)
+    state = _state()
+    load = {"load": lambda: _load(tmp_path, state),
+            "finetune": lambda: load_model_weights(tmp_path, state.model, model_config=MODEL),
+            "partial": lambda: _load(tmp_path, state, partial=True)}[loader]
+    if where == "optimizer" and loader != "load":  # the weights alone are finite: they load
+        load()
+        return
+    with pytest.raises(CheckpointError, match=rf"load: {key} in {tmp_path / 'step_1'} holds NaN or Inf"):
+        load()
+
+
+def test_the_finite_check_covers_every_floating_tensor():
+    """Every floating tensor of a nested state dict counts (bf16 too, and a 0-dim one), empty ones and integers
+    never do."""
+    tree = {"a": {"b": torch.ones(3), "c": torch.zeros(0), "d": torch.arange(4)},
+            "e": torch.tensor([1.0, -float("inf")], dtype=torch.bfloat16), "f": torch.tensor(2.0)}
+    assert checkpoint._first_non_finite(tree) == "e"
+    tree["e"] = tree["e"].nan_to_num()
+    assert checkpoint._first_non_finite(tree) is None
+    tree["a"]["b"][1] = float("nan")
+    assert checkpoint._first_non_finite(tree) == "a.b"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_finite_check_syncs_the_host_once_on_cuda():
+    """Hundreds of CUDA tensors of two dtypes and a CPU scalar (AdamW's step outside the fused optimizer): one
+    synchronising call (the verdict's read), whatever the count."""
+    tree = {f"w{i}": torch.randn(64, 33, device="cuda", dtype=torch.bfloat16 if i % 2 else torch.float32)
+            for i in range(300)}
+    tree["step"] = torch.tensor(3.0)
+    for expected in (None, "w7"):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                found = checkpoint._first_non_finite(tree)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert found == expected
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == (1 if expected is None else 2), [str(w.message) for w in syncs]  # + the flags' read
+        tree["w7"][3, 5] = float("inf")
