@@ -23,10 +23,10 @@ process) by their offsets.
 
 Loading checks, in order, before any tensor is read: the manifest (sizes and SHA-256 of every file), the type
 and range of every field of state.json, the architecture (``TransformerConfig`` fields outside
-``RESUMABLE_FIELDS`` must be equal unless ``partial``), the allow-list unpickling of ``.metadata``, then for a
-resume the seed and the schedule (``checkpoint_state.check_resumable``). After the read, every floating-point
-tensor read (weights, buffers, AdamW's moments and step) must be finite. A checkpoint with a non-finite weight
-or moment is never written.
+``RESUMABLE_FIELDS`` must be equal, and recorded, unless ``partial``), the allow-list unpickling of
+``.metadata``, then for a resume the seed and the schedule (``checkpoint_state.check_resumable``). After the
+read, every floating-point tensor read (weights, buffers, AdamW's moments and step) must be finite. A checkpoint
+with a non-finite weight or moment is never written.
 """
 
 from __future__ import annotations
@@ -234,18 +234,40 @@ def _read_state(directory: Path, manifest: dict) -> dict:
     return read_state(directory / files.STATE)
 
 
-def _open_checkpoint(path: str | os.PathLike, model_config: TransformerConfig | None,
-                     log: Callable[[str], None]) -> tuple[Path, dict, str, Any]:
-    """Resolve ``path``, verify every file against the manifest, parse state.json and the allow-listed
-    ``.metadata``: ``(directory, state, architecture differences as text ('' when none), metadata)``."""
+def _check_architecture(directory: Path, saved: dict | None, model_config: TransformerConfig | None,
+                        partial: bool) -> str:
+    """The architecture differences between the checkpoint's recorded config ``saved`` and ``model_config``
+    as text ('' when none or ``model_config`` is None). Without ``partial`` a difference, or no recorded config,
+    raises ``CheckpointError``."""
+    if model_config is None:
+        return ""
+    if saved is None:
+        if partial:
+            return f"unknown ({files.STATE} records no model config)"
+        raise CheckpointError(f"load: {directory / files.STATE} records no model config (model_config is null), so "
+                              "its architecture cannot be compared with this run's; re-import the checkpoint "
+                              "(tools/hf_checkpoint.py import records it) or pass load_partial (--load-partial) to "
+                              "load the weights whose names and shapes match")
+    listed = ", ".join(f"{k}: {before!r} in the checkpoint, {now!r} now"
+                       for k, (before, now) in architecture_differences(saved, model_config).items())
+    if listed and not partial:
+        raise CheckpointError(f"load: {directory} holds another architecture ({listed}); pass load_partial "
+                              "(--load-partial) to load the matching weights only")
+    return listed
+
+
+def _open_checkpoint(path: str | os.PathLike, model_config: TransformerConfig | None, partial: bool,
+                     log: Callable[[str], None]) -> tuple[Path, dict, Any, str]:
+    """Resolve ``path``, verify every file against the manifest, read state.json, check the architecture
+    (``_check_architecture``) and unpickle the allow-listed ``.metadata``: ``(directory, state, metadata,
+    architecture differences as text)``."""
     directory, note = files.resolve_checkpoint(path)
     if note:
         log(f"load: {note}")
     manifest = files.read_manifest(directory)
     state = _read_state(directory, manifest)
-    diffs = architecture_differences(state.get("model_config"), model_config)
-    listed = ", ".join(f"{k}: {saved!r} in the checkpoint, {now!r} now" for k, (saved, now) in diffs.items())
-    return directory, state, listed, read_metadata(directory, set(manifest))
+    diffs = _check_architecture(directory, state["model_config"], model_config, partial)
+    return directory, state, read_metadata(directory, set(manifest)), diffs
 
 
 def _read_tensors(directory: Path, tensors: dict, metadata: Any) -> None:
@@ -269,41 +291,33 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         path: a save directory (its ``latest``, or its newest complete checkpoint when ``latest`` is unusable)
             or one ``step_<N>/`` directory.
         seed: the run's data seed, checked against the checkpoint's (None: not checked).
-        model_config: the run's architecture, checked against the checkpoint's (None: not checked).
-        partial: load only the model tensors whose names and full shapes match, whatever the architecture;
-            the optimizer, schedule, RNG and step stay fresh and the return value is 0.
+        model_config: the run's architecture, checked against the checkpoint's, which must be recorded (None:
+            not checked).
+        partial: ``load_model_weights(partial=True)``: load only the model tensors whose names and full shapes
+            match, whatever the architecture; the optimizer, schedule, RNG and step stay fresh and the return
+            value is 0.
         log: receives notes (a ``latest`` that could not be followed, what a partial load skipped).
     Raises:
         CheckpointError (a ValueError): no complete checkpoint, a missing or corrupt file (named), a field of
-            state.json of another type or out of its range, an unsafe ``.metadata``, another architecture (naming
-            the fields) without ``partial``, another seed, another schedule (``lr``; see
+            state.json of another type or out of its range, an unsafe ``.metadata``, without ``partial`` another
+            architecture (naming the fields) or none recorded, another seed, another schedule (``lr``; see
             ``checkpoint_state.check_resumable``), or a tensor holding NaN or Inf (named; the model and optimizer
             then hold what was read).
     """
     log = log or (lambda _msg: None)
-    directory, state, diffs, metadata = _open_checkpoint(path, model_config, log)
-    if diffs and not partial:
-        raise CheckpointError(f"load: {directory} holds another architecture ({diffs}); pass load_partial "
-                              "(--load-partial) to load the matching weights only")
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    layout = layouts(model, pg_collection)
-    # The views share storage with model_sd / optim_sd's tensors (the live shards): dcp.load fills them in place.
-    views = model_views(model_sd, layout, pg_collection)
     if partial:
-        saved = metadata.state_dict_metadata
-        matching = {k: v for k, v in views.items()
-                    if f"model.{k}" in saved and tuple(saved[f"model.{k}"].size) == tuple(v.shape)}
-        _read_tensors(directory, {"model": matching}, metadata)
-        set_model_state_dict(model, model_sd, options=_OPTIONS)
-        skipped = sorted(set(views) - set(matching))
-        log(f"load: partial load of {directory}: {len(matching)} of {len(views)} tensors; kept fresh: "
-            f"{skipped or 'none'}; architecture differences: {diffs or 'none'}")
+        load_model_weights(path, model, pg_collection, model_config=model_config, partial=True, log=log)
         return 0
+    directory, state, metadata, _ = _open_checkpoint(path, model_config, False, log)
     if seed is not None and state["seed"] != seed:
         raise CheckpointError(f"seed: the checkpoint in {directory} was trained with seed {state['seed']}, "
                               f"got {seed}")
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     check_resumable(directory / files.STATE, state, scheduler.state_dict(), optim_sd["param_groups"])
-    tensors = {"model": views, "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)}}
+    layout = layouts(model, pg_collection)
+    # The views share storage with model_sd / optim_sd's tensors (the live shards): dcp.load fills them in place.
+    tensors = {"model": model_views(model_sd, layout, pg_collection),
+               "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)}}
     # Only the RNG entries this checkpoint has: another world size, or no CUDA when it was saved.
     rng = {k: v for k, v in _rng_state().items() if f"rng.{_rng_key()}.{k}" in metadata.state_dict_metadata}
     if rng:
@@ -321,26 +335,39 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
 
 
 def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_collection=None, *,
-                       model_config: TransformerConfig | None = None,
+                       model_config: TransformerConfig | None = None, partial: bool = False,
                        log: Callable[[str], None] | None = None) -> None:
     """Restore only the model's weights from a checkpoint (Megatron's ``--finetune``): the optimizer, schedule,
     step, seed and RNG states stay fresh. Any process layout, like ``load_checkpoint``, and the same checks
     (manifest, state.json, allow-listed ``.metadata``, the architecture when ``model_config`` is given, finite
     values).
 
+    Args:
+        partial: load only the weights whose names and full shapes match, whatever the architecture; ``log``
+            receives what was kept fresh.
     Raises:
-        CheckpointError (a ValueError): as ``load_checkpoint``; also a weight the checkpoint lacks.
+        CheckpointError (a ValueError): as ``load_checkpoint``; also, without ``partial``, a weight the
+            checkpoint lacks or holds in another shape.
     """
-    directory, _, diffs, metadata = _open_checkpoint(path, model_config, log or (lambda _msg: None))
-    if diffs:
-        raise CheckpointError(f"load: {directory} holds another architecture ({diffs})")
+    log = log or (lambda _msg: None)
+    directory, _, metadata, diffs = _open_checkpoint(path, model_config, partial, log)
     model_sd = get_model_state_dict(model, options=_OPTIONS)
+    # The views share storage with model_sd's tensors (the live shards): dcp.load fills them in place.
     views = model_views(model_sd, layouts(model, pg_collection), pg_collection)
-    missing = sorted(k for k in views if f"model.{k}" not in metadata.state_dict_metadata)
-    if missing:
-        raise CheckpointError(f"load: {directory} lacks the weights {missing}")
-    _read_tensors(directory, {"model": views}, metadata)
+    saved = {k[len("model."):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+             if k.startswith("model.")}
+    matching = {k: v for k, v in views.items() if saved.get(k) == tuple(v.shape)}
+    others = sorted(set(views) - set(matching))
+    if others and not partial:
+        listed = ", ".join(f"{k} {tuple(views[k].shape)} ({saved[k] if k in saved else 'missing'} in the checkpoint)"
+                           for k in others)
+        raise CheckpointError(f"load: {directory} does not hold the weights {listed}; pass load_partial "
+                              "(--load-partial) to load the matching ones only")
+    _read_tensors(directory, {"model": matching}, metadata)
     set_model_state_dict(model, model_sd, options=_OPTIONS)
+    if partial:
+        log(f"load: partial load of {directory}: {len(matching)} of {len(views)} tensors; kept fresh: "
+            f"{others or 'none'}; architecture differences: {diffs or 'none'}")
 
 
 def check_save_dir(save_dir: str | os.PathLike) -> None:

@@ -1,11 +1,12 @@
 """Checkpoint layout and fingerprints: step_<N>/ directories, ``latest``, rotation, what a save replaces and
-what it refuses to, the architecture check and the partial load, refusing non-finite weights on save and on load,
-and --save checked before training."""
+what it refuses to, the architecture check (also for --finetune, and a checkpoint without a recorded config) and
+the partial load, refusing non-finite weights on save and on load, and --save checked before training."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 
 import pytest
@@ -28,7 +29,7 @@ def _state(model: TransformerConfig = MODEL, seed: int = TRAINING.seed):
     return setup_training(model, dataclasses.replace(TRAINING, seed=seed))
 
 
-def _save(save_dir, state, step, model=MODEL, keep=2):
+def _save(save_dir, state, step, model: TransformerConfig | None = MODEL, keep=2):
     return save_checkpoint(save_dir, state.model, state.optimizer, state.scheduler, step, seed=TRAINING.seed,
                            model_config=model, keep=keep)
 
@@ -174,22 +175,6 @@ def test_a_save_directory_that_would_fail_fails_before_training(tmp_path, blocke
     assert not (tmp_path / "out").exists()  # nothing ran
 
 
-def test_pretrain_loads_another_architecture_only_when_partial(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("def f(x):\n    return x + 1\n" * 200)
-    cfg = dataclasses.replace(TRAINING, train_iters=2, eval_iters=1, data_path=[str(corpus)], log_interval=1,
-                              output_dir=str(tmp_path / "out"))
-    pretrain(MODEL, dataclasses.replace(cfg, save=str(tmp_path / "ckpt")), log=lambda *_: None)
-    one_layer = dataclasses.replace(MODEL, num_layers=1)
-    with pytest.raises(CheckpointError, match=r"another architecture \(num_layers: 2 in the checkpoint, 1 now\)"):
-        pretrain(one_layer, dataclasses.replace(cfg, load=str(tmp_path / "ckpt")), log=lambda *_: None)
-    printed = []
-    summary = pretrain(one_layer, dataclasses.replace(cfg, load=str(tmp_path / "ckpt"), load_partial=True),
-                       log=printed.append)
-    assert len(summary.train_losses) == 2  # from step 0
-    assert any(line.startswith("load: partial load of") and "kept fresh: none" in line for line in printed)
-
-
 def _save_non_finite(tmp_path, monkeypatch, where: str) -> str:
     """A checkpoint (step 1, manifest intact) with one NaN, as another tool could write it: the save's own
     check is switched off. Returns the tensor's key."""
@@ -254,3 +239,77 @@ def test_the_finite_check_syncs_the_host_once_on_cuda():
         syncs = [w for w in caught if "synchroniz" in str(w.message)]
         assert len(syncs) == (1 if expected is None else 2), [str(w.message) for w in syncs]  # + the flags' read
         tree["w7"][3, 5] = float("inf")
+
+
+@pytest.mark.parametrize("change", [dict(moe_router_topk=4), dict(moe_router_score_function="sigmoid")],
+                         ids=lambda c: next(iter(c)))
+def test_finetune_refuses_another_architecture_unless_partial(tmp_path, change):
+    """--finetune compares the routing fields as --load does (same shapes, another function), and
+    --load-partial is its opt-out too."""
+    saved = _state()
+    _save(tmp_path, saved, 3)
+    other = dataclasses.replace(MODEL, **change)
+    name, value = next(iter(change.items()))
+    loaded = _state(other)
+    with pytest.raises(CheckpointError, match=rf"another architecture \({name}: {getattr(MODEL, name)!r} in the "
+                                              rf"checkpoint, {value!r} now\).*pass load_partial"):
+        load_model_weights(tmp_path, loaded.model, model_config=other)
+    notes = []
+    load_model_weights(tmp_path, loaded.model, model_config=other, partial=True, log=notes.append)
+    assert notes == [f"load: partial load of {tmp_path / 'step_3'}: 17 of 17 tensors; kept fresh: none; "
+                     f"architecture differences: {name}: {getattr(MODEL, name)!r} in the checkpoint, {value!r} now"]
+    for (key, want), got in zip(saved.model.state_dict().items(), loaded.model.state_dict().values(), strict=True):
+        assert torch.equal(got, want), key
+
+
+@pytest.mark.parametrize("loader", ["load", "finetune"])
+def test_a_checkpoint_without_a_recorded_config_is_refused_unless_partial(tmp_path, loader):
+    """Its architecture cannot be compared (an import by an older tools/hf_checkpoint.py): the error says how to
+    fix it; --load-partial loads the weights whose names and shapes match."""
+    _save(tmp_path, _state(), 3, model=None)
+    state = _state()
+    load = {"load": lambda **kw: _load(tmp_path, state, **kw),
+            "finetune": lambda **kw: load_model_weights(tmp_path, state.model, model_config=MODEL, **kw)}[loader]
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'step_3' / 'state.json'} records no model config .*"
+                                              r"re-import the checkpoint .* or pass load_partial"):
+        load()
+    notes = []
+    load(partial=True, log=notes.append)
+    assert notes[0].endswith("kept fresh: none; architecture differences: unknown (state.json records no model "
+                             "config)")
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(num_moe_experts=8), r"decoder\.layers\.0\.mlp\.router\.weight \(8, 16\) \(\(4, 16\) in the checkpoint\)"),
+    (dict(num_layers=3), r"decoder\.layers\.2\.input_layernorm\.weight \(16,\) \(missing in the checkpoint\)"),
+], ids=["shape", "missing"])
+def test_weights_of_other_shapes_are_named_when_the_architecture_is_not_checked(tmp_path, change, named):
+    """Without a config to compare (tools/hf_checkpoint.py export): each weight the checkpoint lacks or holds in
+    another shape is named, with both shapes."""
+    _save(tmp_path, _state(), 3)
+    other = dataclasses.replace(MODEL, **change)
+    with pytest.raises(CheckpointError, match=rf"does not hold the weights .*{named}.*pass load_partial"):
+        load_model_weights(tmp_path, _state(other).model)
+
+
+@pytest.mark.parametrize("finetune, change", [(False, dict(num_layers=1)), (True, dict(moe_router_topk=4))],
+                         ids=["load", "finetune"])
+def test_pretrain_loads_another_architecture_only_when_partial(tmp_path, finetune, change):
+    """--load and --finetune alike (a routing field too, where the shapes match): refused naming the field,
+    loaded with --load-partial from step 0."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 200)
+    cfg = dataclasses.replace(TRAINING, train_iters=2, eval_iters=1, data_path=[str(corpus)], log_interval=1,
+                              output_dir=str(tmp_path / "out"))
+    pretrain(MODEL, dataclasses.replace(cfg, save=str(tmp_path / "ckpt")), log=lambda *_: None)
+    other = dataclasses.replace(MODEL, **change)
+    name, value = next(iter(change.items()))
+    differs = f"{name}: {getattr(MODEL, name)!r} in the checkpoint, {value!r} now"
+    load = dataclasses.replace(cfg, load=str(tmp_path / "ckpt"), finetune=finetune)
+    with pytest.raises(CheckpointError, match=rf"another architecture \({re.escape(differs)}\)"):
+        pretrain(other, load, log=lambda *_: None)
+    printed = []
+    summary = pretrain(other, dataclasses.replace(load, load_partial=True), log=printed.append)
+    assert len(summary.train_losses) == 2  # from step 0
+    assert any(line.startswith("load: partial load of") and f"kept fresh: none; architecture differences: {differs}"
+               in line for line in printed)
