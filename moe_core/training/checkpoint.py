@@ -1,7 +1,8 @@
 """Checkpoints that load in any process layout, are published atomically and never run code when loaded.
 
 Layout and publication: ``checkpoint_files`` (``save/step_<N>/``, a ``latest`` pointer, the last ``keep``
-kept, a SHA-256 manifest). Safety of loading: ``checkpoint_metadata``.
+kept, a SHA-256 manifest). Safety of loading: ``checkpoint_metadata`` (DCP's pickle), ``checkpoint_state``
+(state.json's fields).
 
 What a checkpoint holds:
 
@@ -20,16 +21,19 @@ FSDP2) placed in the single-process tensor, expert tensors with their EP rank's 
 full state dict, on save or load, and DCP reads any other layout's shards (TP, EP, FSDP2 or DP sizes, one
 process) by their offsets.
 
-Loading checks, in order, before any tensor is read: the manifest (sizes and SHA-256 of every file), the
-architecture (``TransformerConfig`` fields outside ``RESUMABLE_FIELDS`` must be equal unless ``partial``), the
-seed, then the allow-list unpickling of ``.metadata``. A checkpoint with a non-finite weight or moment is never
-written.
+Loading checks, in order, before any tensor is read: the manifest (sizes and SHA-256 of every file), the type
+and range of every field of state.json, the architecture (``TransformerConfig`` fields outside
+``RESUMABLE_FIELDS`` must be equal, and recorded, unless ``partial``), the allow-list unpickling of
+``.metadata``, then for a resume the seed and the schedule (``checkpoint_state.check_resumable``). After the
+read, every floating-point tensor read (weights, buffers, AdamW's moments and step) must be finite. A checkpoint
+with a non-finite weight or moment is never written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -52,9 +57,9 @@ from moe_core.training import checkpoint_files as files
 from moe_core.training.checkpoint_files import CheckpointError
 from moe_core.training.checkpoint_layout import layouts, model_views, optimizer_views
 from moe_core.training.checkpoint_metadata import VerifiedReader, read_metadata
+from moe_core.training.checkpoint_state import FORMAT, check_resumable, read_state
 
 _OPTIONS = StateDictOptions(full_state_dict=False)  # sharded: each rank's own DTensor shards
-FORMAT = "moe_core.checkpoint.v2"
 # TransformerConfig fields a checkpoint may be loaded under with other values: the parallel layout and
 # settings of training, not of the function the weights compute. Every other field must match.
 RESUMABLE_FIELDS = frozenset({
@@ -109,24 +114,44 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _check_finite(step: int, model_sd: dict, optim_sd: dict) -> None:
-    """Raise on every rank when any rank's shard of a weight or moment is not finite (one all-reduce)."""
-    tensors = {f"model.{k}": _local(v) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
-    tensors.update({f"optim.{n}.{k}": _local(v) for n, s in optim_sd["state"].items() for k, v in s.items()
-                    if isinstance(v, torch.Tensor)})
-    floats = {k: v for k, v in tensors.items() if v.is_floating_point() and v.numel()}
-    bad = next((k for k, v in floats.items() if not bool(torch.isfinite(v).all())), None)
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested state dict's leaves by DCP's key (``model.<name>``, ``optim.state.<name>.exp_avg``)."""
+    out = {}
+    for key, value in tree.items():
+        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def _first_non_finite(tree: dict) -> str | None:
+    """The key of the first floating-point tensor of ``tree`` (a nested state dict; a DTensor by this rank's
+    shard) that holds NaN or Inf on any rank, or None. One pass (a multi-tensor max |x| per device and dtype) and
+    one host sync; collective over all ranks (one all-reduce, and an all-gather of the keys once one is found)."""
+    locals_ = {k: _local(v) for k, v in _flatten(tree).items() if isinstance(v, torch.Tensor)}
+    named = {k: v for k, v in locals_.items() if v.is_floating_point() and v.numel()}  # a shard may be empty
     if dist.is_initialized():
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        flag = torch.tensor([bad is not None], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item():
-            names: list = [None] * dist.get_world_size()
-            dist.all_gather_object(names, bad)
-            bad = next(name for name in names if name is not None)
-    if bad is not None:
-        raise RuntimeError(f"save_checkpoint: refusing to save step {step}: {bad} holds NaN or Inf (the previous "
-                           "checkpoint stays the latest)")
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    else:
+        device = next((v.device for v in named.values() if v.is_cuda), torch.device("cpu"))
+    batches: dict[tuple, dict[str, torch.Tensor]] = {}
+    for key, tensor in named.items():
+        batches.setdefault((tensor.device, tensor.dtype), {})[key] = tensor
+    maxima = {key: m for batch in batches.values()
+              for key, m in zip(batch, torch._foreach_norm(list(batch.values()), math.inf), strict=True)}
+    # A host-to-device copy need not wait (its source is read at once); the other way round would have to.
+    moved = [maxima[k].float().to(device, non_blocking=device.type == "cuda") for k in named]
+    finite = (torch.stack(moved) if moved else torch.zeros(0, device=device)).isfinite()  # [tensors] bool
+    bad = (~finite).any().int()
+    if dist.is_initialized():
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    if not bad.item():
+        return None
+    first = next((k for k, ok in zip(named, finite.tolist(), strict=True) if not ok), None)
+    if not dist.is_initialized():
+        return first
+    keys: list = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, first)
+    return next(key for key in keys if key is not None)
 
 
 def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -138,11 +163,20 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
 
     Raises:
         RuntimeError: a weight or optimizer moment is not finite (nothing is written).
-        OSError: the file system refused (the previous checkpoints are untouched).
+        ValueError: ``save_dir`` holds a ``step_<N>`` that is no checkpoint, or a ``latest`` that is no file
+            (naming it; nothing is written).
+        OSError: the file system refused, naming the checkpoint, the file and, errno ENOSPC, that the disk is full
+            (the previous checkpoints are untouched, ``latest`` names the last of them).
     """
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-    _check_finite(step, model_sd, optim_sd)
     layout = layouts(model, pg_collection)
+    tensors = {"model": model_views(model_sd, layout, pg_collection),
+               "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)},
+               "rng": {_rng_key(): _rng_state()}}
+    bad = _first_non_finite(tensors)
+    if bad is not None:
+        raise RuntimeError(f"save_checkpoint: refusing to save step {step}: {bad} holds NaN or Inf (the previous "
+                           "checkpoint stays the latest)")
     state = {
         "format": FORMAT, "step": step, "seed": seed, "scheduler": scheduler.state_dict(),
         "optimizer_param_groups": optim_sd["param_groups"],
@@ -151,19 +185,19 @@ def save_checkpoint(save_dir: str | os.PathLike, model: torch.nn.Module, optimiz
     }
     state_json = json.dumps(state, indent=1, allow_nan=False).encode()
     tmp = _on_rank0(lambda: files.prepare_step_dir(save_dir, step))
-    tensors = {"model": model_views(model_sd, layout, pg_collection),
-               "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)},
-               "rng": {_rng_key(): _rng_state()}}
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-    _on_rank0(lambda: files.write_durably(tmp / files.STATE, state_json))
-    digests = _shared_over_ranks(sorted(p.name for p in tmp.iterdir()), lambda names: files.digest_files(tmp, names))
-
-    def finish() -> Path:
+    try:
+        dcp.save(tensors, storage_writer=files.dcp_writer(tmp))
+        _on_rank0(lambda: files.write_durably(tmp / files.STATE, state_json))
+        digests = _shared_over_ranks(sorted(p.name for p in tmp.iterdir()),
+                                     lambda names: files.digest_files(tmp, names))
         manifest = json.dumps({"format": FORMAT, "files": dict(sorted(digests.items()))}, indent=1).encode()
-        files.write_durably(tmp / files.MANIFEST, manifest)
-        return files.publish(tmp, keep)
-
-    return _on_rank0(finish)
+        _on_rank0(lambda: files.write_durably(tmp / files.MANIFEST, manifest))
+    except (OSError, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        error = files.save_error(Path(save_dir) / files.step_dir_name(step), e)
+        if error is None:
+            raise
+        raise error from e
+    return _on_rank0(lambda: files.publish(tmp, keep))
 
 
 def architecture_differences(saved: dict | None, current: TransformerConfig | None) -> dict[str, tuple]:
@@ -182,45 +216,68 @@ def architecture_differences(saved: dict | None, current: TransformerConfig | No
     return diffs
 
 
-def _restore_groups(saved_groups: list[dict], live_groups: list[dict], where: Path) -> list[dict]:
+def _restore_groups(saved_groups: list[dict], live_groups: list[dict]) -> list[dict]:
     """AdamW's param groups: the saved hyper-parameters (lists back to tuples where the live optimizer has
     tuples: betas) over the live groups' parameter names (another layout names other local experts)."""
-    if len(saved_groups) != len(live_groups):
-        raise CheckpointError(f"load: {where} has {len(saved_groups)} optimizer param groups, the optimizer "
-                              f"{len(live_groups)}")
     return [{**{k: tuple(v) if isinstance(live.get(k), tuple) else v for k, v in saved.items()},
              "params": live["params"]} for saved, live in zip(saved_groups, live_groups, strict=True)]
 
 
 def _read_state(directory: Path, manifest: dict) -> dict:
-    """Verify every file against the manifest (split over the ranks), then parse state.json."""
+    """Verify every file against the manifest (split over the ranks), then read and check state.json."""
     def check(names: list[str]) -> dict[str, list[str]]:
         return {name: found for name in names if (found := files.check_files(directory, {name: manifest[name]}))}
 
     problems = _shared_over_ranks(sorted(manifest), check)
     if problems:
         raise CheckpointError(f"load: {directory} is corrupt: " + "; ".join(m for ms in problems.values() for m in ms))
-    try:
-        state = json.loads((directory / files.STATE).read_text())
-    except ValueError as e:
-        raise CheckpointError(f"load: {directory / files.STATE} is not JSON: {e}") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"load: {directory / files.STATE} is not a {FORMAT} state")
-    return state
+    return read_state(directory / files.STATE)
 
 
-def _open_checkpoint(path: str | os.PathLike, model_config: TransformerConfig | None,
-                     log: Callable[[str], None]) -> tuple[Path, dict, str, Any]:
-    """Resolve ``path``, verify every file against the manifest, parse state.json and the allow-listed
-    ``.metadata``: ``(directory, state, architecture differences as text ('' when none), metadata)``."""
+def _check_architecture(directory: Path, saved: dict | None, model_config: TransformerConfig | None,
+                        partial: bool) -> str:
+    """The architecture differences between the checkpoint's recorded config ``saved`` and ``model_config``
+    as text ('' when none or ``model_config`` is None). Without ``partial`` a difference, or no recorded config,
+    raises ``CheckpointError``."""
+    if model_config is None:
+        return ""
+    if saved is None:
+        if partial:
+            return f"unknown ({files.STATE} records no model config)"
+        raise CheckpointError(f"load: {directory / files.STATE} records no model config (model_config is null), so "
+                              "its architecture cannot be compared with this run's; re-import the checkpoint "
+                              "(tools/hf_checkpoint.py import records it) or pass load_partial (--load-partial) to "
+                              "load the weights whose names and shapes match")
+    listed = ", ".join(f"{k}: {before!r} in the checkpoint, {now!r} now"
+                       for k, (before, now) in architecture_differences(saved, model_config).items())
+    if listed and not partial:
+        raise CheckpointError(f"load: {directory} holds another architecture ({listed}); pass load_partial "
+                              "(--load-partial) to load the matching weights only")
+    return listed
+
+
+def _open_checkpoint(path: str | os.PathLike, model_config: TransformerConfig | None, partial: bool,
+                     log: Callable[[str], None]) -> tuple[Path, dict, Any, str]:
+    """Resolve ``path``, verify every file against the manifest, read state.json, check the architecture
+    (``_check_architecture``) and unpickle the allow-listed ``.metadata``: ``(directory, state, metadata,
+    architecture differences as text)``."""
     directory, note = files.resolve_checkpoint(path)
     if note:
         log(f"load: {note}")
     manifest = files.read_manifest(directory)
     state = _read_state(directory, manifest)
-    diffs = architecture_differences(state.get("model_config"), model_config)
-    listed = ", ".join(f"{k}: {saved!r} in the checkpoint, {now!r} now" for k, (saved, now) in diffs.items())
-    return directory, state, listed, read_metadata(directory, set(manifest))
+    diffs = _check_architecture(directory, state["model_config"], model_config, partial)
+    return directory, state, read_metadata(directory, set(manifest)), diffs
+
+
+def _read_tensors(directory: Path, tensors: dict, metadata: Any) -> None:
+    """``dcp.load`` of ``tensors`` (in place) from the checked ``metadata``, then refuse a non-finite one."""
+    dcp.load(tensors, storage_reader=VerifiedReader(directory, metadata))
+    bad = _first_non_finite(tensors)
+    if bad is not None:
+        raise CheckpointError(f"load: {bad} in {directory} holds NaN or Inf (save_checkpoint never writes one: the "
+                              "files were written by another tool or changed with their manifest); load another "
+                              "checkpoint")
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -234,74 +291,83 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
         path: a save directory (its ``latest``, or its newest complete checkpoint when ``latest`` is unusable)
             or one ``step_<N>/`` directory.
         seed: the run's data seed, checked against the checkpoint's (None: not checked).
-        model_config: the run's architecture, checked against the checkpoint's (None: not checked).
-        partial: load only the model tensors whose names and full shapes match, whatever the architecture;
-            the optimizer, schedule, RNG and step stay fresh and the return value is 0.
+        model_config: the run's architecture, checked against the checkpoint's, which must be recorded (None:
+            not checked).
+        partial: ``load_model_weights(partial=True)``: load only the model tensors whose names and full shapes
+            match, whatever the architecture; the optimizer, schedule, RNG and step stay fresh and the return
+            value is 0.
         log: receives notes (a ``latest`` that could not be followed, what a partial load skipped).
     Raises:
-        CheckpointError (a ValueError): no complete checkpoint, a missing or corrupt file (named), an unsafe
-            ``.metadata``, another architecture (naming the fields) without ``partial``, or another seed.
+        CheckpointError (a ValueError): no complete checkpoint, a missing or corrupt file (named), a field of
+            state.json of another type or out of its range, an unsafe ``.metadata``, without ``partial`` another
+            architecture (naming the fields) or none recorded, another seed, another schedule (``lr``; see
+            ``checkpoint_state.check_resumable``), or a tensor holding NaN or Inf (named; the model and optimizer
+            then hold what was read).
     """
     log = log or (lambda _msg: None)
-    directory, state, diffs, metadata = _open_checkpoint(path, model_config, log)
-    if diffs and not partial:
-        raise CheckpointError(f"load: {directory} holds another architecture ({diffs}); pass load_partial "
-                              "(--load-partial) to load the matching weights only")
-    reader = VerifiedReader(directory, metadata)
+    if partial:
+        load_model_weights(path, model, pg_collection, model_config=model_config, partial=True, log=log)
+        return 0
+    directory, state, metadata, _ = _open_checkpoint(path, model_config, False, log)
+    if seed is not None and state["seed"] != seed:
+        raise CheckpointError(f"seed: the checkpoint in {directory} was trained with seed {state['seed']}, "
+                              f"got {seed}")
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+    check_resumable(directory / files.STATE, state, scheduler.state_dict(), optim_sd["param_groups"])
     layout = layouts(model, pg_collection)
     # The views share storage with model_sd / optim_sd's tensors (the live shards): dcp.load fills them in place.
-    views = model_views(model_sd, layout, pg_collection)
-    if partial:
-        saved = metadata.state_dict_metadata
-        matching = {k: v for k, v in views.items()
-                    if f"model.{k}" in saved and tuple(saved[f"model.{k}"].size) == tuple(v.shape)}
-        dcp.load({"model": matching}, storage_reader=reader)
-        set_model_state_dict(model, model_sd, options=_OPTIONS)
-        skipped = sorted(set(views) - set(matching))
-        log(f"load: partial load of {directory}: {len(matching)} of {len(views)} tensors; kept fresh: "
-            f"{skipped or 'none'}; architecture differences: {diffs or 'none'}")
-        return 0
-    if seed is not None and state.get("seed") != seed:
-        raise CheckpointError(f"seed: the checkpoint in {directory} was trained with seed {state.get('seed')}, "
-                              f"got {seed}")
-    tensors = {"model": views, "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)}}
+    tensors = {"model": model_views(model_sd, layout, pg_collection),
+               "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)}}
     # Only the RNG entries this checkpoint has: another world size, or no CUDA when it was saved.
     rng = {k: v for k, v in _rng_state().items() if f"rng.{_rng_key()}.{k}" in metadata.state_dict_metadata}
     if rng:
         tensors["rng"] = {_rng_key(): rng}
-    dcp.load(tensors, storage_reader=reader)
-    groups = _restore_groups(state["optimizer_param_groups"], optim_sd["param_groups"], directory)
-    optim_sd = {"state": optim_sd["state"], "param_groups": groups}
+    _read_tensors(directory, tensors, metadata)
+    optim_sd = {"state": optim_sd["state"],
+                "param_groups": _restore_groups(state["optimizer_param_groups"], optim_sd["param_groups"])}
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=_OPTIONS)
     scheduler.load_state_dict(state["scheduler"])
     if "cpu" in rng:
         torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
-    return int(state["step"])
+    return state["step"]
 
 
 def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_collection=None, *,
-                       model_config: TransformerConfig | None = None,
+                       model_config: TransformerConfig | None = None, partial: bool = False,
                        log: Callable[[str], None] | None = None) -> None:
     """Restore only the model's weights from a checkpoint (Megatron's ``--finetune``): the optimizer, schedule,
     step, seed and RNG states stay fresh. Any process layout, like ``load_checkpoint``, and the same checks
-    (manifest, allow-listed ``.metadata``, the architecture when ``model_config`` is given).
+    (manifest, state.json, allow-listed ``.metadata``, the architecture when ``model_config`` is given, finite
+    values).
 
+    Args:
+        partial: load only the weights whose names and full shapes match, whatever the architecture; ``log``
+            receives what was kept fresh.
     Raises:
-        CheckpointError (a ValueError): as ``load_checkpoint``; also a weight the checkpoint lacks.
+        CheckpointError (a ValueError): as ``load_checkpoint``; also, without ``partial``, a weight the
+            checkpoint lacks or holds in another shape.
     """
-    directory, _, diffs, metadata = _open_checkpoint(path, model_config, log or (lambda _msg: None))
-    if diffs:
-        raise CheckpointError(f"load: {directory} holds another architecture ({diffs})")
+    log = log or (lambda _msg: None)
+    directory, _, metadata, diffs = _open_checkpoint(path, model_config, partial, log)
     model_sd = get_model_state_dict(model, options=_OPTIONS)
+    # The views share storage with model_sd's tensors (the live shards): dcp.load fills them in place.
     views = model_views(model_sd, layouts(model, pg_collection), pg_collection)
-    missing = sorted(k for k in views if f"model.{k}" not in metadata.state_dict_metadata)
-    if missing:
-        raise CheckpointError(f"load: {directory} lacks the weights {missing}")
-    dcp.load({"model": views}, storage_reader=VerifiedReader(directory, metadata))
+    saved = {k[len("model."):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+             if k.startswith("model.")}
+    matching = {k: v for k, v in views.items() if saved.get(k) == tuple(v.shape)}
+    others = sorted(set(views) - set(matching))
+    if others and not partial:
+        listed = ", ".join(f"{k} {tuple(views[k].shape)} ({saved[k] if k in saved else 'missing'} in the checkpoint)"
+                           for k in others)
+        raise CheckpointError(f"load: {directory} does not hold the weights {listed}; pass load_partial "
+                              "(--load-partial) to load the matching ones only")
+    _read_tensors(directory, {"model": matching}, metadata)
     set_model_state_dict(model, model_sd, options=_OPTIONS)
+    if partial:
+        log(f"load: partial load of {directory}: {len(matching)} of {len(views)} tensors; kept fresh: "
+            f"{others or 'none'}; architecture differences: {diffs or 'none'}")
 
 
 def check_save_dir(save_dir: str | os.PathLike) -> None:

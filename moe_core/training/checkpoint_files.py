@@ -7,31 +7,43 @@
             __<r>_0.distcp     DCP's tensor data, one file per rank
             state.json         the non-tensor state (step, seed, schedule, AdamW's hyper-parameters, config)
             manifest.json      size and SHA-256 of every other file, written last
-        step_<N>.tmp/          a checkpoint being written, or left by a crash: never loaded, deleted by the
-                               next save
+        step_<N>.tmp           a checkpoint being written, or left by a crash: never loaded, deleted by the
+                               next save (whatever it is: a ``.tmp`` name is the saver's)
 
 Publication: everything is written and fsynced in step_<N>.tmp/ (manifest last), the directory is renamed
 to step_<N>/ and ``latest`` is replaced through a rename of its own, each rename followed by an fsync of the
 parent directory. A process killed at any point leaves the previous checkpoint and ``latest`` intact. The
 manifest detects corruption (a truncated or changed file); it is no signature: whoever can write the files
 can rewrite it too, so loading never trusts the files' contents to be benign (checkpoint_metadata).
+
+A save never deletes what it did not write: a ``step_<N>`` that is not a complete checkpoint (a file, a
+directory without manifest) or a ``latest`` that is not a file stops it before anything is written. A write
+that fails raises an ``OSError`` naming its file, with its errno (ENOSPC: the disk is full).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _TMP_SUFFIX = ".tmp"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 class CheckpointError(ValueError):
@@ -51,9 +63,69 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _os_error(error: BaseException | None) -> OSError | None:
+    """The first ``OSError`` of ``error``'s chain (itself, then its cause or context, ...): torch's writer
+    reports a failed write as a RuntimeError from inline_container.cc whose context is the OSError."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Re-raise an error caused by an ``OSError`` while writing ``path`` as an ``OSError`` with its errno and
+    ``path`` as the file name (a failed write or fsync names no file; torch's writer hides the OSError)."""
+    try:
+        yield
+    except Exception as e:
+        found = _os_error(e)
+        if found is None or (found is e and found.filename is not None):
+            raise
+        raise OSError(found.errno, found.strerror or str(found), str(path)) from e
+
+
+class _NamingFileSystem(FileSystem):
+    """DCP's file system with every stream's failure re-raised by ``writing``, naming its file."""
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator:
+        with writing(Path(path)), super().create_stream(path, mode) as stream:
+            yield stream
+
+
+def dcp_writer(directory: Path) -> FileSystemWriter:
+    """DCP's writer into ``directory``, fsyncing its files and naming the file of a failed write."""
+    writer = FileSystemWriter(directory, sync_files=True)
+    writer.fs = _NamingFileSystem()
+    return writer
+
+
+def save_error(checkpoint: Path, error: BaseException) -> OSError | None:
+    """What a save of ``checkpoint`` (``save_dir/step_<N>``) that failed with ``error`` raises: an ``OSError``
+    naming the checkpoint and the file (``writing``), saying when the disk is full (ENOSPC, EDQUOT); None
+    when no OSError caused ``error``. ``error`` may be DCP's ``CheckpointException``: the lowest failed
+    rank's error counts."""
+    if isinstance(error, CheckpointException):
+        error = error.failures[min(error.failures)][0]
+    found = _os_error(error)
+    if found is None:
+        return None
+    full = "the disk is full: " if found.errno in _DISK_FULL else ""
+    return OSError(found.errno, f"save: the checkpoint {checkpoint} was not written: {full}{found}; "
+                                f"{checkpoint.parent / LATEST} still names the previous one")
+
+
 def write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (the directory entry is made durable by the caller)."""
-    with open(path, "wb") as f:
+    """Write ``data`` to ``path`` and fsync it (the directory entry is made durable by the caller).
+
+    Raises:
+        OSError: naming ``path`` (``writing``).
+    """
+    with writing(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -111,12 +183,40 @@ def read_manifest(directory: Path) -> dict[str, dict]:
     return files
 
 
+def _remove(path: Path) -> None:
+    """Delete ``path``: a directory tree, or a file or symbolic link."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _check_no_foreign_entries(save_dir: Path) -> None:
+    """Raise ``ValueError`` naming each ``step_<N>`` in ``save_dir`` that is no complete checkpoint and a
+    ``latest`` that is no file: a save would replace or delete them, and they are not the saver's."""
+    foreign = []
+    for path in sorted(save_dir.iterdir()) if save_dir.is_dir() else ():
+        if _STEP_DIR.fullmatch(path.name) and not (path / MANIFEST).is_file():
+            foreign.append(f"{path} ({'a directory without ' + MANIFEST if path.is_dir() else 'not a directory'})")
+        elif path.name == LATEST and not path.is_file():
+            foreign.append(f"{path} (not a file)")
+    if foreign:
+        raise ValueError(f"save: {save_dir} holds what save_checkpoint did not write under a name it writes: "
+                         f"{', '.join(foreign)}; a save would replace it: move it away or save elsewhere")
+
+
 def prepare_step_dir(save_dir: str | os.PathLike, step: int) -> Path:
-    """Create ``save_dir`` and an empty ``step_<step>.tmp/`` in it, deleting what earlier crashes left there."""
+    """Create ``save_dir`` and an empty ``step_<step>.tmp/`` in it, deleting what earlier crashes left there.
+
+    Raises:
+        ValueError: ``save_dir`` holds an entry the save would replace that is not the saver's
+            (``_check_no_foreign_entries``).
+    """
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
+    _check_no_foreign_entries(save_dir)
     for stale in save_dir.glob(f"step_*{_TMP_SUFFIX}"):
-        shutil.rmtree(stale)
+        _remove(stale)
     tmp = save_dir / (step_dir_name(step) + _TMP_SUFFIX)
     tmp.mkdir()
     return tmp
@@ -140,9 +240,9 @@ def publish(tmp: Path, keep: int) -> Path:
         # Renamed first, so a crash mid-deletion leaves a .tmp directory, never a half-deleted checkpoint.
         doomed = save_dir / (old.name + ".deleted" + _TMP_SUFFIX)
         old.rename(doomed)
-        shutil.rmtree(doomed)
+        _remove(doomed)
     for leftover in save_dir.glob(f"step_*{_TMP_SUFFIX}"):
-        shutil.rmtree(leftover)
+        _remove(leftover)
     return final
 
 
@@ -185,10 +285,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, str | None]:
 
 
 def check_writable(save_dir: str | os.PathLike) -> None:
-    """Create ``save_dir`` and write a probe file in it.
+    """Create ``save_dir``, write a probe file in it and check it holds nothing a save would replace that is not
+    the saver's (``_check_no_foreign_entries``).
 
     Raises:
-        ValueError: the directory cannot be created or written (naming it and the OS error).
+        ValueError: the directory cannot be created or written (naming it and the OS error), or holds such an
+            entry (naming it).
     """
     try:
         Path(save_dir).mkdir(parents=True, exist_ok=True)
@@ -196,7 +298,9 @@ def check_writable(save_dir: str | os.PathLike) -> None:
             pass
     except OSError as e:
         raise ValueError(f"save: cannot write checkpoints to {save_dir}: {e}") from None
+    _check_no_foreign_entries(Path(save_dir))
 
 
 __all__ = ["CheckpointError", "MANIFEST", "STATE", "LATEST", "check_files", "check_writable", "complete_checkpoints",
-           "digest_files", "prepare_step_dir", "publish", "read_manifest", "resolve_checkpoint", "write_durably"]
+           "dcp_writer", "digest_files", "prepare_step_dir", "publish", "read_manifest", "resolve_checkpoint",
+           "save_error", "write_durably", "writing"]

@@ -181,7 +181,8 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
         f"corpus: {len(streams['train']):,} train / {len(streams['valid']):,} valid {tokenizer.unit}s")
     start_step = 0
     if cfg.load and cfg.finetune:
-        load_model_weights(cfg.load, state.model, pg, model_config=model_config, log=log)
+        load_model_weights(cfg.load, state.model, pg, model_config=model_config, partial=cfg.load_partial,
+                           log=log)
     elif cfg.load:
         start_step = load_checkpoint(cfg.load, state.model, state.optimizer, state.scheduler, pg, seed=cfg.seed,
                                      model_config=model_config, partial=cfg.load_partial, log=log)

@@ -4,7 +4,8 @@ Each case trains one step in a layout (TP / ETP / EP / FSDP2 or replicate), save
 model of another layout: EP 2 -> 1, FSDP 2 -> 4, TP 2 -> 1 (also into one process). Every parameter and AdamW
 moment, gathered into the single-process tensor for the comparison only, must come back bitwise, and the step
 with it. During the save, ``DTensor.full_tensor`` / ``redistribute`` and ``all_gather_into_tensor`` raise: the
-save writes each rank's shards where they are.
+save writes each rank's shards where they are. A NaN in one rank's shard stops a save, and a load of a checkpoint
+holding one, on every rank with the same error.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moe_core.parallel.state import expert_param_names, global_param_name
+from moe_core.training import checkpoint
 from moe_core.training.checkpoint import load_checkpoint, save_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.step import setup_training, train_step
@@ -107,3 +109,38 @@ def test_checkpoint_loads_in_another_layout(tmp_path, save, load):
     for rank, state in enumerate(loaded):
         differ = [key for key, value in state.items() if not torch.equal(value, saved[key])]
         assert not differ, f"rank {rank}: {differ[:5]}"
+
+
+def _non_finite_on_rank1(directory: str) -> list[str]:
+    """EP 2: rank 1 puts a NaN into one of its experts. The errors of a save, then of a load of a checkpoint
+    holding the NaN (saved with the check off)."""
+    pg = groups(2, NUM_EXPERTS)
+    cfg, training = _layout(1, 2, 1, True, True)
+    state = setup_training(cfg, training, pg)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            weight = state.model.decoder.layers[1].mlp.experts.fc2.weight
+            (weight.to_local() if isinstance(weight, DTensor) else weight)[-1, 0, 0] = float("nan")
+    save = (directory, state.model, state.optimizer, state.scheduler, 1, pg)
+    errors = []
+    with pytest.raises(RuntimeError) as raised:
+        save_checkpoint(*save, seed=training.seed, model_config=cfg)
+    errors.append(str(raised.value))
+    with mock.patch.object(checkpoint, "_first_non_finite", return_value=None):
+        save_checkpoint(*save, seed=training.seed, model_config=cfg)
+    fresh = setup_training(cfg, training, pg)
+    with pytest.raises(ValueError) as raised:
+        load_checkpoint(directory, fresh.model, fresh.optimizer, fresh.scheduler, pg, seed=training.seed,
+                        model_config=cfg)
+    errors.append(str(raised.value))
+    return errors
+
+
+def test_a_nan_in_one_ranks_shard_stops_every_rank(tmp_path):
+    ranks = run_distributed(2, _non_finite_on_rank1, timeout=120, directory=str(tmp_path))
+    key = "model.decoder.layers.1.mlp.experts.fc2.weight"
+    assert ranks[0] == ranks[1] == [
+        f"save_checkpoint: refusing to save step 1: {key} holds NaN or Inf (the previous checkpoint stays the latest)",
+        f"load: {key} in {tmp_path / 'step_1'} holds NaN or Inf (save_checkpoint never writes one: the files were "
+        "written by another tool or changed with their manifest); load another checkpoint",
+    ]

@@ -1,5 +1,6 @@
 """Checkpoints that would run code, or that changed on disk, fail to load with an error naming the problem,
-and load nothing: a crafted .metadata, a non-tensor entry, flipped and truncated files, a broken manifest.
+and load nothing: a crafted .metadata, a non-tensor entry, flipped and truncated files, a broken manifest, a
+state.json field of another type or out of its range (with the manifest rewritten to match).
 
 Each crafted payload is first shown to be live: torch's own reader runs it (the marker file appears)."""
 
@@ -155,3 +156,55 @@ def test_damaged_small_files_are_named(saved, name, content, message):
     (path / name).write_bytes(content)
     with pytest.raises(CheckpointError, match=message):
         _load(path, model, training, state)
+
+
+NAN = float("nan")
+# (field of state.json, the value written, the error's text after "state.json: ")
+STATE_FIELDS = [
+    ("step", "3", r"step: expected an int, got str \('3'\)"),
+    ("step", 3.0, r"step: expected an int, got float \(3\.0\)"),
+    ("step", True, r"step: expected an int, got bool \(True\)"),
+    ("step", -1, r"step: expected an int >= 0 and <= 2\*\*63 - 1, got -1"),
+    ("seed", "1234", r"seed: expected an int, got str"),
+    ("model_config", "tiny", r"model_config: expected an object or null, got str"),
+    ("scheduler", None, r"scheduler: expected an object, got NoneType"),
+    ("scheduler.base_lrs", [1e9] * 4, r"scheduler\.base_lrs: the checkpoint's schedule peaks at \[1000000000\.0, "
+                                      r".*this run's at \[0\.01, 0\.01, 0\.01, 0\.01\] \(lr\): resume with"),
+    ("scheduler.base_lrs", [-0.01] * 4, r"scheduler\.base_lrs\[0\]: expected a finite number > 0, got -0\.01"),
+    ("scheduler.base_lrs", [NAN] * 4, r"scheduler\.base_lrs\[0\]: expected a finite number > 0, got nan"),
+    ("scheduler.base_lrs", [0.01] * 3, r"scheduler\._last_lr: expected a list of 3 numbers, got \[0\.01, 0\.01, "),
+    ("scheduler._last_lr", [0.01, 0.01, "0.01", 0.01], r"scheduler\._last_lr\[2\]: expected a number, got str"),
+    ("scheduler.last_epoch", 0.5, r"scheduler\.last_epoch: expected an int, got float"),
+    ("scheduler.lr_lambdas", [{"lr": 1}, None, None, None], r"scheduler\.lr_lambdas: expected 4 nulls"),
+    ("scheduler.optimizer", 5, r"scheduler\.optimizer: not a field of this run's LR scheduler"),
+    ("scheduler._is_initial", 1, r"scheduler\._is_initial: expected a bool, got 1"),
+    ("optimizer_param_groups.0.lr", -1.0, r"optimizer_param_groups\[0\]\.lr: expected a finite number >= 0, got -1"),
+    ("optimizer_param_groups.1.lr", NAN, r"optimizer_param_groups\[1\]\.lr: expected a finite number >= 0, got nan"),
+    ("optimizer_param_groups.2.initial_lr", "1e-2", r"optimizer_param_groups\[2\]\.initial_lr: expected a number"),
+    ("optimizer_param_groups.0.betas", [0.9, 1.0], r"optimizer_param_groups\[0\]\.betas\[1\]: expected a finite "
+                                                   r"number >= 0 and < 1, got 1"),
+    ("optimizer_param_groups.0.betas", [0.9], r"optimizer_param_groups\[0\]\.betas: expected a list of 2 numbers"),
+    ("optimizer_param_groups.0.eps", 0, r"optimizer_param_groups\[0\]\.eps: expected a finite number > 0, got 0"),
+    ("optimizer_param_groups.0.weight_decay", 1e999, r"optimizer_param_groups\[0\]\.weight_decay: expected a "
+                                                     r"finite number >= 0, got inf"),
+    ("optimizer_param_groups.0.amsgrad", "false", r"optimizer_param_groups\[0\]\.amsgrad: expected true or false"),
+    ("optimizer_param_groups.3.fused", 1, r"optimizer_param_groups\[3\]\.fused: expected true, false or null"),
+    ("optimizer_param_groups", {}, r"optimizer_param_groups: expected a list, got dict"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", STATE_FIELDS, ids=[f"{f}={v!r}" for f, v, _ in STATE_FIELDS])
+def test_a_state_field_of_another_type_or_range_is_named(saved, field, value, message):
+    path, model, training, state = saved
+    content = json.loads((path / files.STATE).read_text())
+    *parents, last = field.split(".")
+    target = content
+    for key in parents:
+        target = target[int(key)] if isinstance(target, list) else target[key]
+    target[int(last) if isinstance(target, list) else last] = value
+    (path / files.STATE).write_text(json.dumps(content))
+    _rewrite_manifest(path)
+    before = _params(state)
+    with pytest.raises(CheckpointError, match=rf"load: {path / files.STATE}: {message}"):
+        _load(path, model, training, state)
+    assert all(torch.equal(before[k], v) for k, v in _params(state).items())
