@@ -89,9 +89,9 @@ class TransformerConfig:
     """Width of the shared expert (sum over shared experts); None: no shared expert."""
     moe_shared_expert_gate: bool = False
     """Scale the shared expert's output by sigmoid(hidden @ w_gate) (Qwen2-MoE)."""
-    moe_shared_expert_overlap: bool = False
+    moe_shared_expert_overlap: bool | None = None
     """Under EP on CUDA, run the shared expert on a side stream while the dispatcher communicates (needs a
-    shared expert)."""
+    shared expert). None: off here; the trainer turns it on where it applies (``training.fast_path``)."""
     moe_layer_freq: int | list[int] = 1
     """int k: every k-th layer is MoE; list: 1 for MoE, 0 for dense, one entry per layer."""
     first_k_dense_replace: int = 0
@@ -100,8 +100,9 @@ class TransformerConfig:
     """GroupedMLP (one grouped GEMM per linear) if True, else SequentialMLP (per-expert loop)."""
     moe_token_dispatcher_type: str = "alltoall"
     """One of DISPATCHER_TYPES."""
-    moe_dispatch_sync_free: bool = False
-    """EP dispatch without a host sync: every token travels to every EP rank and the expert rows are sized for
+    moe_dispatch_sync_free: bool | None = None
+    """None: off here; the trainer turns it on where it applies (``training.fast_path``). EP dispatch without a host
+    sync: every token travels to every EP rank and the expert rows are sized for
     the worst case (each token on all its local experts), the rows past ``tokens_per_expert``'s sum unused.
     Static shapes for a data-dependent routing (the all-to-all exchange then compiles into the layer's graph), at
     the cost of memory; worth it at small EP, where almost every token reaches every rank anyway. Every EP rank

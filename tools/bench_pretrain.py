@@ -68,10 +68,12 @@ from _bench_common import print_table as print_rows  # noqa: E402
 from _bench_dist import slowest_rank  # noqa: E402
 
 from moe_core import TransformerConfig  # noqa: E402
+from moe_core.config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES  # noqa: E402
 from moe_core.models.flops import megatron_flops_per_token  # noqa: E402
 from moe_core.models.gpt import GPTModel  # noqa: E402
 from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
+from moe_core.training.fast_path import resolve_fast_path  # noqa: E402
 from moe_core.training.step import build_model, setup_training, train_step, training_device  # noqa: E402
 from moe_core.training.trainer import ep_load_imbalance, mfu  # noqa: E402
 
@@ -79,6 +81,7 @@ CONFIGS = [str(Path(__file__).resolve().parents[1] / "configs" / name) for name 
 PROVIDERS = ("moe_core", "moe_core_compiled", "native", "native_compiled")
 SMOKE_PROVIDERS = ("moe_core", "native")  # compiling with inductor on CPU takes minutes
 EP_PROVIDERS = ("moe_core", "moe_core_compiled")
+RECOMPUTE_ARGS = ("recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules")
 # Attention first: cuDNN's flash kernels carry "wgmma" in their names, xformers' fmha ones "cutlass".
 CATEGORIES = {"attention": ATTENTION, "gemm": GEMM, "optimizer": OPTIMIZER}
 
@@ -103,18 +106,25 @@ def flop_counts(model_config: TransformerConfig) -> dict:
 
 
 def build_step(provider: str, model_config: TransformerConfig, training: TrainingConfig, inputs, labels, pg=None,
-               cuda_graph: bool = False):
-    """``(step, device, model)``: ``step()`` runs one training step and returns its loss (a 0-dim tensor); ``model``
-    the moe_core GPTModel (None for the native trainer). ``pg``: EP over its groups (moe_core providers only).
-    ``cuda_graph``: compiled providers replay their layers as CUDA graphs."""
+               cuda_graph: bool | None = None):
+    """``(step, device, model, path)``: ``step()`` runs one training step and returns its loss (a 0-dim tensor);
+    ``model`` the moe_core GPTModel (None for the native trainer); ``path`` the execution path taken
+    (``moe_dispatch_sync_free``, ``enable_cuda_graph``). ``pg``: EP over its groups (moe_core providers only).
+    ``cuda_graph``: compiled providers replay their layers as CUDA graphs; None: moe_core's providers take the
+    trainer's default (``training.fast_path``), the native trainer none."""
     compiled = provider.endswith("_compiled")
-    cuda_graph = cuda_graph and compiled
+    if cuda_graph is not None:
+        cuda_graph = cuda_graph and compiled
     if provider.startswith("moe_core"):
         if pg is not None:
             model_config = dataclasses.replace(model_config, expert_model_parallel_size=pg.ep_size)
-        state = setup_training(model_config, dataclasses.replace(training, compile=compiled,
-                                                                 enable_cuda_graph=cuda_graph), pg)
-        return (lambda: train_step(state, inputs, labels)[0]), state.device, state.model
+        training = dataclasses.replace(training, compile=compiled, enable_cuda_graph=cuda_graph)
+        model_config, training, _ = resolve_fast_path(model_config, training, pg, training_device(pg))
+        state = setup_training(model_config, training, pg)
+        path = dict(moe_dispatch_sync_free=model_config.moe_dispatch_sync_free,
+                    enable_cuda_graph=training.enable_cuda_graph)
+        return (lambda: train_step(state, inputs, labels)[0]), state.device, state.model, path
+    cuda_graph = bool(cuda_graph)
     device = training_device(None)
     gpt = build_model(model_config, training, device)
     model = _native_gpt.NativeGPT.from_gpt(gpt)
@@ -132,7 +142,7 @@ def build_step(provider: str, model_config: TransformerConfig, training: Trainin
         return _native_gpt.train_step(model, optimizer, inputs, labels, training.micro_batch_size, max_norm,
                                       training.bf16)
 
-    return step, device, None
+    return step, device, None, dict(enable_cuda_graph=cuda_graph)
 
 
 def bench_provider(provider: str, model_config: TransformerConfig, training: TrainingConfig, counts: dict,
@@ -149,8 +159,8 @@ def bench_provider(provider: str, model_config: TransformerConfig, training: Tra
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-    step, device, model = build_step(provider, model_config, training, inputs.to(device), labels.to(device), pg,
-                                     args.enable_cuda_graph)
+    step, device, model, path = build_step(provider, model_config, training, inputs.to(device), labels.to(device),
+                                           pg, args.enable_cuda_graph)
     first_loss = step().item()
     row = timed(step, args.steps, max(args.warmup - 1, 0), device)
     last_loss = step().item()
@@ -165,7 +175,7 @@ def bench_provider(provider: str, model_config: TransformerConfig, training: Tra
                mfu=mfu(counts["flops_per_token"], tokens_per_s, device),
                mfu_causal=mfu(counts["flops_per_token_causal"], tokens_per_s, device), peak_gib=peak_gib,
                megatron_tflops_per_gpu=counts["flops_per_token_megatron"] * tokens_per_s / 1e12,
-               ep=1 if pg is None else pg.ep_size)
+               ep=1 if pg is None else pg.ep_size, **path)
     if args.profile:
         split = breakdown(kernel_times(step, 3, device), CATEGORIES)
         row["profile"] = dict(ms_per_step=split["ms"], total_ms=split["total_ms"], top=split["ranked"][:10])
@@ -191,10 +201,13 @@ def print_table(rows: list[dict]) -> None:
         ("step ms", 9, lambda r: f"{r['median_ms']:.2f}"), ("spread", 7, lambda r: f"{100 * r['spread']:.1f}%"),
         ("tokens/s", 10, lambda r: f"{r['tokens_per_s']:.0f}"), ("MFU %", 7, lambda r: fmt(pct(r["mfu"]), ".1f")),
         ("causal %", 8, lambda r: fmt(pct(r["mfu_causal"]), ".1f")),
+        ("TFLOP/s", 7, lambda r: f"{r['megatron_tflops_per_gpu']:.1f}"),
         ("peak GiB", 8, lambda r: fmt(r["peak_gib"], ".2f")),
         ("loss first", 10, lambda r: f"{r['first_loss']:.3f}"), ("last", 7, lambda r: f"{r['last_loss']:.3f}"),
         ("vs 1 GPU", 8, lambda r: fmt(r.get("vs_one_gpu"), ".2f")),
         ("EP load", 7, lambda r: fmt(r.get("ep_load_imbalance"), ".2f")),
+        ("path", 14, lambda r: "+".join(k for k, on in (("sync-free", r.get("moe_dispatch_sync_free")),
+                                                        ("graphs", r.get("enable_cuda_graph"))) if on) or "-"),
     ])
 
 
@@ -207,11 +220,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 3; --smoke 1)")
     parser.add_argument("--profile", action="store_true", help="CUDA time by category over 3 steps per provider")
     parser.add_argument("--smoke", action="store_true", help="a tiny built-in model instead of --configs")
-    parser.add_argument("--moe-dispatch-sync-free", action="store_true",
-                        help="the EP rows dispatch without a host sync (moe_dispatch_sync_free)")
-    parser.add_argument("--enable-cuda-graph", action="store_true",
+    parser.add_argument("--moe-dispatch-sync-free", action=argparse.BooleanOptionalAction,
+                        help="the EP rows dispatch without a host sync (moe_dispatch_sync_free; default: the "
+                             "trainer's choice, training.fast_path)")
+    parser.add_argument("--enable-cuda-graph", action=argparse.BooleanOptionalAction,
                         help="the compiled providers replay each layer as CUDA graphs (torch.compile's "
-                             "reduce-overhead; TrainingConfig.enable_cuda_graph)")
+                             "reduce-overhead; TrainingConfig.enable_cuda_graph; default: moe_core's the trainer's "
+                             "choice, the native trainer's off)")
+    parser.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES,
+                        help="activation recompute (TransformerConfig.recompute_*; Megatron's flags)")
+    parser.add_argument("--recompute-method", choices=RECOMPUTE_METHODS)
+    parser.add_argument("--recompute-num-layers", type=int)
+    parser.add_argument("--recompute-modules", nargs="+", choices=RECOMPUTE_MODULES)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -229,7 +249,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args, pg=None) -> list[dict]:
     """Every row; with ``pg`` (EP over all ranks, collective) each provider under EP, then alone on every rank."""
     runs = {"smoke": smoke_configs()} if args.smoke else {
-        Path(path).stem: (TransformerConfig.from_yaml(path, moe_dispatch_sync_free=args.moe_dispatch_sync_free or None),
+        Path(path).stem: (TransformerConfig.from_yaml(path, moe_dispatch_sync_free=args.moe_dispatch_sync_free,
+                                                      **{k: getattr(args, k) for k in RECOMPUTE_ARGS}),
                           TrainingConfig.from_yaml(path)) for path in args.configs}
     layouts = [None] if pg is None else [pg, None]
     rows = []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_core.config import TransformerConfig  # noqa: E402
+from moe_core.config import RECOMPUTE_MODULES, TransformerConfig  # noqa: E402
 from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.tokenizer import build_tokenizer  # noqa: E402
@@ -38,6 +38,7 @@ MODEL_FLAGS = [
     ("--num-experts", "num_moe_experts", int), ("--moe-router-topk", "moe_router_topk", int),
     ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", int), ("--moe-aux-loss-coeff", "moe_aux_loss_coeff", float),
     ("--moe-z-loss-coeff", "moe_z_loss_coeff", float), ("--moe-input-jitter-eps", "moe_input_jitter_eps", float),
+    ("--moe-router-bias-update-rate", "moe_router_bias_update_rate", float),
     ("--moe-router-load-balancing-type", "moe_router_load_balancing_type", str),
     ("--moe-router-score-function", "moe_router_score_function", str),
     ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float),
@@ -46,6 +47,8 @@ MODEL_FLAGS = [
     ("--tensor-model-parallel-size", "tensor_model_parallel_size", int),
     ("--expert-tensor-parallel-size", "expert_tensor_parallel_size", int),
     ("--cross-entropy-chunk-size", "cross_entropy_chunk_size", int),
+    ("--recompute-granularity", "recompute_granularity", str), ("--recompute-method", "recompute_method", str),
+    ("--recompute-num-layers", "recompute_num_layers", int),
 ]
 TRAINING_FLAGS = [
     ("--micro-batch-size", "micro_batch_size", int), ("--global-batch-size", "global_batch_size", int),
@@ -86,13 +89,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
     parser.add_argument("--enable-cuda-graph", dest="enable_cuda_graph", action=argparse.BooleanOptionalAction,
                         default=None, help="with --compile: replay each layer as CUDA graphs (one process, or DDP "
                                            "without TP, with one rank per expert-DP mesh and, under EP, "
-                                           "--moe-dispatch-sync-free)")
+                                           "--moe-dispatch-sync-free); default: on where it applies")
     parser.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action=argparse.BooleanOptionalAction,
                         default=None, help="GroupedMLP (default) or, with --no-moe-grouped-gemm, SequentialMLP")
     parser.add_argument("--moe-router-enable-expert-bias", dest="moe_router_enable_expert_bias",
                         action="store_true", default=None, help="aux-loss-free balancing (DeepSeek-V3)")
-    parser.add_argument("--moe-dispatch-sync-free", dest="moe_dispatch_sync_free", action="store_true",
-                        default=None, help="EP dispatch without a host sync (static, worst-case expert rows)")
+    parser.add_argument("--moe-dispatch-sync-free", dest="moe_dispatch_sync_free",
+                        action=argparse.BooleanOptionalAction, default=None,
+                        help="EP dispatch without a host sync (static, worst-case expert rows); default: on where it "
+                             "applies (moe_core.training.fast_path)")
+    parser.add_argument("--moe-shared-expert-overlap", dest="moe_shared_expert_overlap",
+                        action=argparse.BooleanOptionalAction, default=None,
+                        help="the shared expert on a side stream during the EP exchange; default: on where it applies")
+    parser.add_argument("--recompute-modules", dest="recompute_modules", nargs="+", choices=RECOMPUTE_MODULES,
+                        default=None, help="with --recompute-granularity selective (default: core_attn)")
     parser.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=None,
                         help="split the sequence over the TP ranks (required with --tensor-model-parallel-size > 1)")
     args = vars(parser.parse_args(argv))
@@ -100,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
     model_overrides.update(moe_grouped_gemm=args["moe_grouped_gemm"],
                            moe_router_enable_expert_bias=args["moe_router_enable_expert_bias"],
                            moe_dispatch_sync_free=args["moe_dispatch_sync_free"],
+                           moe_shared_expert_overlap=args["moe_shared_expert_overlap"],
+                           recompute_modules=args["recompute_modules"],
                            sequence_parallel=args["sequence_parallel"])
     training_overrides = {field: args[field] for _, field, _ in TRAINING_FLAGS}
     training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"],

@@ -46,7 +46,7 @@ class SharedExpertMLP(MLP):
             self.gate_weight = nn.Parameter(torch.empty(1, config.hidden_size))
             nn.init.normal_(self.gate_weight, mean=0.0, std=config.init_method_std)
         # Only EP dispatchers communicate: with one EP rank there is nothing to overlap.
-        self.overlap = config.moe_shared_expert_overlap and config.expert_model_parallel_size > 1
+        self.overlap = bool(config.moe_shared_expert_overlap) and config.expert_model_parallel_size > 1
         self.recompute = config.recomputes("shared_experts")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -88,8 +88,9 @@ class TrainingConfig:
     """Shard parameters with FSDP2 (fully_shard); data-parallel replication (DDP) otherwise."""
     compile: bool = False
     """torch.compile each transformer layer (torchtitan's per-block compile)."""
-    enable_cuda_graph: bool = False
-    """Replay each compiled layer's forward and backward as CUDA graphs (torch.compile's ``reduce-overhead``
+    enable_cuda_graph: bool | None = None
+    """None: on where it applies (``training.fast_path``). Replay each compiled layer's forward and backward as CUDA
+    graphs (torch.compile's ``reduce-overhead``
     mode; Megatron's --enable-cuda-graph): the host no longer issues every kernel, which pays where the host
     sets the pace (EP's extra ops, small layers). Needs ``compile``, static shapes (under EP the sync-free
     exchange, ``moe_dispatch_sync_free``) and parameters at fixed addresses: one process, or DDP with the experts

@@ -31,8 +31,9 @@ from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.training.checkpoint import check_save_dir, load_checkpoint, load_model_weights, save_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.data import build_token_streams, sample_batch, shard_rows
+from moe_core.training.fast_path import resolve_fast_path
 from moe_core.training.metrics import MetricsWriter
-from moe_core.training.step import TrainingState, setup_training, train_step
+from moe_core.training.step import TrainingState, setup_training, train_step, training_device
 from moe_core.training.tokenizer import build_tokenizer
 
 # Dense bf16 tensor-core peaks (TFLOP/s, vendor datasheets) for MFU, by device-name substring, first match
@@ -160,6 +161,9 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
     is_logger = pg is None or dist.get_rank() == 0
     if not is_logger:
         log = _silent
+    model_config, cfg, notes = resolve_fast_path(model_config, cfg, pg, training_device(pg))
+    for note in notes:
+        log(f"fast path: {note}")
     if cfg.save:
         check_save_dir(cfg.save)  # fail now, not at the first save after hours of training
     tokenizer = build_tokenizer(cfg.tokenizer)
