@@ -406,11 +406,14 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
-        """Build from a mapping; unknown keys raise ``ValueError`` naming them."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        """Build from a mapping; unknown keys, and missing required ones, raise ``ValueError`` naming them."""
+        fields = dataclasses.fields(cls)
+        unknown = sorted(set(values) - {f.name for f in fields})
         if unknown:
             raise ValueError(f"unknown TransformerConfig fields: {unknown}")
+        missing = [f.name for f in fields if f.default is dataclasses.MISSING and f.name not in values]
+        if missing:
+            raise ValueError(f"TransformerConfig: missing required fields {missing}")
         return cls(**values)
 
     @classmethod
@@ -418,7 +421,12 @@ class TransformerConfig:
         """The ``model:`` section of the run YAML ``path`` (``load_config_section``), then non-None ``overrides``."""
         values = dict(load_config_section(path, "model"))
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.from_dict(values)
+        try:
+            return cls.from_dict(values)
+        except ValueError as e:
+            if "TransformerConfig" not in str(e):
+                raise
+            raise ValueError(f"{path}: model: {e}") from None
 
 
 def check_number(name: str, value: Any, *, low: float | None = None, high: float | None = None,

@@ -127,8 +127,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse, initialise the ranks, pretrain. A diverged run exits with status 1 and its reason on stderr."""
-    model_config, training_config = parse_args(argv)
+    """Parse, initialise the ranks, pretrain. A configuration error, or a diverged run, exits with status 1 and its
+    reason on stderr (a configuration error without a traceback: the message names the field and what came)."""
+    try:
+        model_config, training_config = parse_args(argv)
+    except (ValueError, TypeError) as e:
+        sys.exit(f"pretrain_gpt.py: error: {e}")
     timeout = datetime.timedelta(minutes=training_config.distributed_timeout_minutes)
     pg = init_distributed(model_config.expert_model_parallel_size,
                           tensor_model_parallel_size=model_config.tensor_model_parallel_size,

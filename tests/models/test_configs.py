@@ -165,3 +165,11 @@ def test_unknown_yaml_field(tmp_path):
     path.write_text("model:\n  num_layers: 1\n  hidden_size: 8\n  num_attention_heads: 2\n  num_experts: 4\n")
     with pytest.raises(ValueError, match="num_experts"):
         TransformerConfig.from_yaml(path)
+
+
+def test_missing_required_fields_are_named_with_the_file(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("model:\n  num_layers: 2\n")
+    with pytest.raises(ValueError, match=r"m.yaml: model: TransformerConfig: missing required fields "
+                                         r"\['hidden_size', 'num_attention_heads'\]"):
+        TransformerConfig.from_yaml(path)

@@ -225,3 +225,8 @@ def test_mfu_uses_the_peak_of_the_device(monkeypatch, name, peak_tflops):
     got = trainer.mfu(flops_per_token=2e9, tokens_per_second=1e5, device=torch.device("cuda", 0))
     assert got == (None if peak_tflops is None else pytest.approx(2e14 / (peak_tflops * 1e12)))
     assert trainer.mfu(2e9, 1e5, torch.device("cpu")) is None
+
+
+def test_a_configuration_error_exits_with_its_message_alone():
+    with pytest.raises(SystemExit, match=r"^pretrain_gpt.py: error: num_layers: expected a positive int"):
+        pretrain_gpt.main(["--num-layers", "0"])
