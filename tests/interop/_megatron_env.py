@@ -4,7 +4,7 @@ built from its own spec, and configs.
 Megatron's MoE path assumes CUDA in four places, none of them arithmetic: the all-to-all dispatcher makes a
 ``torch.cuda.Stream`` for its device-to-host copies, which turn the split sizes into numpy arrays only for GPU
 tensors (a CPU tensor reaches ``all_to_all_single``, which refuses it), the router moves a CPU weight to
-``torch.cuda.current_device()``, and without TransformerEngine megatron-core 0.16 leaves ``te_general_gemm``
+``torch.cuda.current_device()``, and without TransformerEngine the pinned megatron-core leaves ``te_general_gemm``
 undefined in ``moe_utils`` (a NameError in the router). For CPU tensors ``megatron_state`` points them at the
 host (streams and events that do nothing, host copies that give numpy arrays as the device-to-host ones do, the
 CPU as the current device) and defines ``te_general_gemm`` as None, as newer releases do. Run inside a harness

@@ -1,8 +1,8 @@
 """Megatron-Core's own ``TEGroupedMLP`` with ``linear_fc1`` / ``linear_fc2`` built by moe_core's grouped linears
 (Megatron's ``GroupedLinearFc1Builder`` / ``GroupedLinearFc2Builder``), no TransformerEngine, inside Megatron's
 ``MoELayer``, against Megatron's ``SequentialMLP`` on the same weights (tolerances:
-``tests/interop/_megatron_parity.py``). One harness rank; megatron-core 0.16 on the CPU (whose ``TEGroupedMLP``
-builds its linears with the same arguments), 0.19 on the GPU (``-m gpu``)."""
+``tests/interop/_megatron_parity.py``). One harness rank, on whichever megatron-core is installed: the pinned one
+predates the protocols, but its ``TEGroupedMLP`` builds and calls its linears with the same arguments."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """moe_core's Megatron-Core modules on a GPU (``pytest -m gpu tests/interop``), each in a harness rank on cuda:0:
 
 - Megatron's ``MoELayer`` with ``MoECoreGroupedMLP``, and Megatron's ``TEGroupedMLP`` on moe_core's grouped linears
-  (the builder protocols: megatron-core 0.19 or newer, skipped before), against ``SequentialMLP`` in float64
+  (where megatron-core has the builder protocols: skipped elsewhere), against ``SequentialMLP`` in float64
   (tolerances: ``tests/interop/_megatron_parity.py``); the README's recipe as a whole ``GPTModel``.
 - bf16 experts on dispatched rows (some experts empty): each output and gradient's error against float64 at most
-  twice ``SequentialMLP``'s bf16 error (plus 1e-4 for ties).
+  twice ``SequentialMLP``'s bf16 error (plus 1e-4 of slack).
 - ``MoECoreGroupedMLP`` forward and backward run without a host sync (``torch.cuda.set_sync_debug_mode``), the
   counts on the GPU or on the host; with GPU counts ``TEGroupedMLP`` syncs (its ``tokens_per_expert.tolist()``):
   the negative control.
@@ -32,8 +32,8 @@ from tests.parallel._launch import close_pools, run_distributed  # noqa: E402
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 HAS_BUILDER_PROTOCOLS = hasattr(megatron_experts, "GroupedMLPSubmodules")
-needs_builder_protocols = pytest.mark.skipif(not HAS_BUILDER_PROTOCOLS, reason="megatron-core without the "
-                                             "GroupedLinearFc1Builder protocols (0.19 has them)")
+needs_builder_protocols = pytest.mark.skipif(not HAS_BUILDER_PROTOCOLS, reason="this megatron-core has no "
+                                             "GroupedLinearFc1Builder / GroupedMLPSubmodules")
 
 
 @pytest.fixture(scope="module", autouse=True)
