@@ -7,10 +7,11 @@ NCCL floor of the same bytes.
     ... --expert scale                                               # the experts of the issue's baseline table
     nsys profile -o $OUT/dispatch --trace cuda,nvtx,osrt torchrun ... --iters 5   # NVTX ranges per phase
 
-Dispatchers: ``alltoall`` (its default layout: token rows, a token once per EP rank), ``alltoall_expert_rows`` (the same
-dispatcher forced to one row per (token, expert), Megatron's layout, which it keeps for drop_and_pad), ``allgather``;
-``alltoall_sync_free``, with ``moe_dispatch_sync_free`` (every token to every rank, expert rows sized for the worst
-case; eagerly, one exchange of the token count checks that the ranks agree); ``alltoall_sync_free_compiled``, the
+Dispatchers: ``alltoall`` (its default layout: token rows, a token once per EP rank), ``alltoall_expert_rows``
+(``ExpertRowsAlltoAllDispatcher``: one row per (token, expert), Megatron's layout, which the all-to-all keeps for
+drop_and_pad), ``allgather``; ``alltoall_sync_free`` (``SyncFreeTokenRowsAlltoAllDispatcher``, the layout of
+``moe_dispatch_sync_free``: every token to every rank, expert rows sized for the worst case; eagerly, one exchange
+of the token count checks that the ranks agree); ``alltoall_sync_free_compiled``, the
 sync-free all-to-all with dispatch, expert and combine compiled whole (``torch.compile(fullgraph=True)``, the
 all-to-alls functional collectives, as in a compiled layer; warm-up includes the compilation);
 ``alltoall_sync_free_cuda_graph``, the same replayed as CUDA graphs (``reduce-overhead``, as under
@@ -51,26 +52,21 @@ from _bench_common import run_metadata  # noqa: E402
 from _bench_dist import all_to_all_sweep, lockstep_ms, rank_device, recording, replay, slowest_rank  # noqa: E402
 
 from moe_core.config import TransformerConfig  # noqa: E402
+from moe_core.moe.alltoall_expert_rows import ExpertRowsAlltoAllDispatcher  # noqa: E402
+from moe_core.moe.alltoall_token_rows import SyncFreeTokenRowsAlltoAllDispatcher  # noqa: E402
 from moe_core.moe.dispatcher_factory import EP_DISPATCHERS  # noqa: E402
 from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.parallel.process_groups import ProcessGroupCollection  # noqa: E402
 
 EXPERTS = ("identity", "scale")
 
-
-class _ExpertRows(EP_DISPATCHERS["alltoall"]):
-    """The alltoall dispatcher with one row per (token, expert) whatever the config (an A/B of its layouts)."""
-
-    token_rows = False
-
-
-# name: (dispatcher class, moe_dispatch_sync_free, torch.compile mode of the whole exchange or None: eager)
+# name: (what builds the dispatcher, torch.compile mode of the whole exchange or None: eager)
 DISPATCHERS = {
-    **{name: (cls, False, None) for name, cls in EP_DISPATCHERS.items()},
-    "alltoall_expert_rows": (_ExpertRows, False, None),
-    "alltoall_sync_free": (EP_DISPATCHERS["alltoall"], True, None),
-    "alltoall_sync_free_compiled": (EP_DISPATCHERS["alltoall"], True, "default"),
-    "alltoall_sync_free_cuda_graph": (EP_DISPATCHERS["alltoall"], True, "reduce-overhead"),
+    **{name: (cls, None) for name, cls in EP_DISPATCHERS.items()},
+    "alltoall_expert_rows": (ExpertRowsAlltoAllDispatcher, None),
+    "alltoall_sync_free": (SyncFreeTokenRowsAlltoAllDispatcher, None),
+    "alltoall_sync_free_compiled": (SyncFreeTokenRowsAlltoAllDispatcher, "default"),
+    "alltoall_sync_free_cuda_graph": (SyncFreeTokenRowsAlltoAllDispatcher, "reduce-overhead"),
 }
 
 
@@ -174,10 +170,10 @@ def _compiled(forward, mode: str):
 
 def bench_dispatcher(name: str, args, pg: ProcessGroupCollection, device: torch.device) -> list[dict]:
     """Rows for one dispatcher: its forward and backward beside the replay of their collectives."""
-    cls, sync_free, mode = DISPATCHERS[name]
+    cls, mode = DISPATCHERS[name]
     config = TransformerConfig(num_layers=1, hidden_size=args.hidden, num_attention_heads=1,
                                num_moe_experts=args.num_experts, moe_router_topk=args.topk,
-                               expert_model_parallel_size=pg.ep_size, moe_dispatch_sync_free=sync_free)
+                               expert_model_parallel_size=pg.ep_size)
     local = pg.local_expert_indices(args.num_experts)
     eager = exchange(cls(len(local), local, config, pg), args.expert)
     timed = eager if mode is None else _compiled(eager, mode)

@@ -1,4 +1,4 @@
-"""Mixture-of-experts layer: router.py (TopKRouter), token_dispatcher*.py (dispatch/combine),
+"""Mixture-of-experts layer: router.py (TopKRouter), token_dispatcher*.py and alltoall_*.py (dispatch/combine),
 dispatcher_factory.py (build_token_dispatcher), experts.py (GroupedMLP, SequentialMLP), shared_experts.py,
 moe_layer.py (MoELayer); data flow in docs/design.md."""
 

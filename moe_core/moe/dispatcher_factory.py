@@ -17,7 +17,8 @@ EP_DISPATCHERS = {"alltoall": MoEAlltoAllTokenDispatcher, "allgather": MoEAllGat
 
 def build_token_dispatcher(config: TransformerConfig, pg_collection: ProcessGroupCollection | None = None
                            ) -> MoETokenDispatcher:
-    """The single-rank dispatcher when EP size is 1, else the one named by ``config.moe_token_dispatcher_type``.
+    """The single-rank dispatcher when EP size is 1, else the one named by ``config.moe_token_dispatcher_type``
+    (``alltoall``: the exchange layout the config asks for, ``MoEAlltoAllTokenDispatcher``).
 
     Args:
         config: num_moe_experts, moe_token_dispatcher_type, capacity fields.

@@ -1,7 +1,7 @@
 """Counts the EP dispatchers exchange and read on the host: each such read is an event wait on a copy queued early,
 never an implicit device sync, so the work queued after the copy overlaps it.
 
-Legend (docs/design.md): T this rank's tokens, E experts.
+Legend (docs/design.md): T this rank's tokens, E experts, P EP ranks.
 
 Layouts with static split sizes (the sync-free token rows, drop_and_pad's expert rows) need the same T on every EP
 rank: a rank passing another T would send rows its peers do not expect (a hang, or on gloo an abort). In eager
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moe_core.moe.moe_utils import side_stream
-from moe_core.parallel.collectives import all_gather_first_dim
+from moe_core.parallel.collectives import all_gather_first_dim, all_to_all, group_size
 
 
 @torch.compiler.disable
@@ -81,6 +81,26 @@ def gather_counts(counts: torch.Tensor, group: dist.ProcessGroup | None, *, afte
     return copy
 
 
+def exchange_counts(counts: torch.Tensor, per_peer: int, group: dist.ProcessGroup | None
+                    ) -> tuple[torch.Tensor, CountsCopy]:
+    """Send ``counts`` ``[P * per_peer]`` int64 (``per_peer`` for each EP rank, in rank order) with one all-to-all.
+
+    Returns:
+        ``(received [P * per_peer], copy)``: the counts each EP rank sent this one, in rank order, on counts'
+        device, and a ``CountsCopy`` whose ``wait`` gives ``[*counts, *received]`` as host ints.
+
+    On CUDA both run on the dispatcher's side stream after the work queued so far on the current stream, so the
+    exchange (a latency-bound collective) and the copy proceed while the current stream works on; nothing here waits.
+    """
+    splits = [per_peer] * group_size(group)
+
+    def exchange():
+        received = all_to_all(counts, splits, splits, group)
+        return received, CountsCopy(torch.cat([counts, received]))
+
+    return on_side_stream(exchange, counts.device, counts, after_current=True, join=False)
+
+
 def same_token_counts(token_counts: list[int], layout: str) -> None:
     """Raise ``ValueError`` unless every EP rank passed the same T (``token_counts``, in rank order; ``layout``
     names what needs it). Every rank holds the same counts, so every rank raises."""
@@ -113,4 +133,4 @@ class TokenCountCheck:
         same_token_counts([row[0] for row in self._copy.wait()], layout)
 
 
-__all__ = ["on_side_stream", "CountsCopy", "gather_counts", "same_token_counts", "TokenCountCheck"]
+__all__ = ["on_side_stream", "CountsCopy", "gather_counts", "exchange_counts", "same_token_counts", "TokenCountCheck"]

@@ -4,9 +4,10 @@ Legend (docs/design.md): T tokens, H hidden, E experts, L experts on this rank, 
 
 Every dispatcher has the contract of docs/design.md: ``dispatch(hidden [T, H], probs [T, E], routing_map
 [T, E]) -> (permuted_hidden [R, H], tokens_per_expert [L] int64, permuted_probs [R] float32, meta)`` and
-``combine(expert_output [R, H], meta) -> [T, H]``, ``meta`` a frozen dataclass. The expert-parallel ones
-(``MoEAlltoAllTokenDispatcher``, ``MoEAllGatherTokenDispatcher``) live in their own files,
-``token_dispatcher_alltoall.py`` and ``token_dispatcher_allgather.py``; ``dispatcher_factory.py`` picks one.
+``combine(expert_output [R, H], meta) -> [T, H]``, ``meta`` a frozen dataclass. The expert-parallel ones live in
+their own files: the all-to-all's layouts in ``alltoall_token_rows.py`` and ``alltoall_expert_rows.py``, with
+``MoEAlltoAllTokenDispatcher`` in ``token_dispatcher_alltoall.py`` building the one a config asks for, and
+``MoEAllGatherTokenDispatcher`` in ``token_dispatcher_allgather.py``; ``dispatcher_factory.py`` picks one.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ combine:   unpermute (gather-sum) into [G, H], sum reduce-scatter, drop the padd
 
 EP ranks may pass different T, zero included; with drop_and_pad (each rank's tokens padded to its own capacity)
 they must pass the same T, and every rank raises otherwise, naming each rank's T. Row order inside an expert is
-(source rank, token index), the same as ``MoEAlltoAllTokenDispatcher``, so both feed the experts identical inputs.
+(source rank, token index), the same as the all-to-all dispatcher's, so both feed the experts identical inputs.
 One count exchange, three all-gathers in dispatch and one reduce-scatter in combine on every rank (mirrors in
 backward); one host sync per dispatch, the counts' (an event wait on a copy queued behind the routing, so the
 gathers' padding overlaps it), which also sizes ``permute``'s output. Under torch.compile both run eagerly, as the
@@ -40,14 +40,14 @@ class AllGatherDispatchMeta:
 
 
 class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
-    """Same arguments and contract as ``MoEAlltoAllTokenDispatcher``.
+    """Arguments: see ``ExpertParallelTokenDispatcher``; contract: ``MoETokenDispatcher``.
 
     Raises (dispatch): ``ValueError`` with drop_and_pad when the EP ranks pass different T.
     """
 
     @torch.compiler.disable
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
-        """See ``MoEAlltoAllTokenDispatcher.dispatch``."""
+        """See ``MoETokenDispatcher.dispatch``: rows grouped by local expert, then source rank, then token index."""
         check_dispatch_inputs(hidden, probs, routing_map, self.num_experts)
         num_tokens = hidden.shape[0]
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1

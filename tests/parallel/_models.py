@@ -15,18 +15,12 @@ import torch
 import torch.nn as nn
 
 from moe_core.config import TransformerConfig
+from moe_core.moe.alltoall_expert_rows import ExpertRowsAlltoAllDispatcher
 from moe_core.moe.capacity import apply_token_dropping, get_capacity
 from moe_core.moe.dispatcher_factory import EP_DISPATCHERS
-from moe_core.moe.token_dispatcher_alltoall import MoEAlltoAllTokenDispatcher
 
-
-class ExpertRowsAlltoAll(MoEAlltoAllTokenDispatcher):
-    """The alltoall dispatcher forced to one row per (token, expert) (the layout it keeps for drop_and_pad)."""
-
-    token_rows = False
-
-
-DISPATCHERS = {**EP_DISPATCHERS, "alltoall_expert_rows": ExpertRowsAlltoAll}
+# "alltoall_expert_rows": one row per (token, expert) whatever the config (the layout kept for drop_and_pad).
+DISPATCHERS = {**EP_DISPATCHERS, "alltoall_expert_rows": ExpertRowsAlltoAllDispatcher}
 GLOBAL_TOKENS = 24
 NUM_EXPERTS = 8
 # Capacity settings the EP tests sweep: none, dropping, and drop_and_pad (static shapes).
