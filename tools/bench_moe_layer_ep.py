@@ -42,11 +42,11 @@ from _bench_common import free_memory, run_metadata, single_thread  # noqa: E402
 from _bench_dist import lockstep_ms, rank_device, slowest_rank  # noqa: E402
 
 from moe_core import TransformerConfig  # noqa: E402
+from moe_core.models.full_state import load_full_state_dict  # noqa: E402
 from moe_core.moe.dispatcher_factory import EP_DISPATCHERS  # noqa: E402
 from moe_core.moe.moe_layer import MoELayer  # noqa: E402
 from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.parallel.process_groups import ProcessGroupCollection  # noqa: E402
-from moe_core.parallel.state import load_full_state_dict  # noqa: E402
 
 # name: (hidden H, expert ffn F, experts E, topk K)
 SHAPES = {"qwen3_30b_a3b": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}

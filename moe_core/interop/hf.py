@@ -49,6 +49,7 @@ from moe_core.interop.hf_weights import (
     weight_map,
 )
 from moe_core.models.gpt import GPTModel
+from moe_core.models.param_roles import expert_offset
 
 _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -146,7 +147,7 @@ def load_hf_weights(model: torch.nn.Module, path: str | Path, pg_collection=None
         raise ValueError(f"model: parameters without a Hugging Face mapping {sorted(set(params) - set(sources))}, "
                          f"mapped names missing from the model {sorted(set(sources) - set(params))}")
     ep_size = 1 if pg_collection is None else pg_collection.ep_size
-    offset = 0 if ep_size == 1 else pg_collection.local_expert_indices(config.num_moe_experts)[0]
+    offset = expert_offset(config, pg_collection)
     expected = hf_shapes(sources, {name: p.shape for name, p in params.items()})
     with SafetensorsReader(path) as reader:
         _check_tensors(expected, reader)
@@ -208,7 +209,7 @@ def save_hf(model: torch.nn.Module, config: TransformerConfig, out_dir: str | Pa
 
     Args:
         model: a single-process ``GPTModel`` of ``config`` with all experts (under EP or FSDP2, gather first:
-            ``moe_core.parallel.state.gather_full_state_dict`` or a DCP checkpoint loaded in one process).
+            ``moe_core.models.full_state.gather_full_state_dict`` or a DCP checkpoint loaded in one process).
         config: its ``TransformerConfig``.
         out_dir: must not exist or be empty, unless ``overwrite``.
         max_shard_size: bytes per shard, an int or a string such as ``"5GB"`` or ``"500MiB"``.

@@ -5,7 +5,7 @@ allocated (``to_empty``) and initialised here, each rank filling only what it ho
 of ``(seed, parameter name, global expert index)`` alone, never of the order in which a process draws them:
 
 - each parameter (each expert of an expert tensor) draws from its own generator, seeded from a hash of the
-  seed and its single-process name (``state.global_param_name``: EP ranks name their experts by global index);
+  seed and its single-process name (``param_roles``: EP ranks name their experts by global index);
 - the whole tensor (the rank's experts, for an expert tensor) is drawn on the parameter's device and this rank's
   shard is cut from it with the parameter's own DTensor placements (no communication).
 
@@ -27,10 +27,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moe_core.mlp import MLP
 from moe_core.models.attention import SelfAttention
-from moe_core.moe.experts import GroupedMLP
+from moe_core.models.param_roles import param_roles
+from moe_core.moe.experts import GroupedLinear, GroupedMLP
 from moe_core.moe.router import TopKRouter
 from moe_core.moe.shared_experts import SharedExpertMLP
-from moe_core.parallel.state import expert_param_names, global_param_name
 
 ONES, ZEROS = "ones", "zeros"
 
@@ -60,9 +60,8 @@ def init_rules(model: nn.Module) -> dict[str, float | str]:
             rules.update({f"{at}fc1.weight": std, f"{at}fc2.weight": out_std})
         elif isinstance(module, TopKRouter):
             rules[f"{at}weight"] = std
-    for name, _ in model.named_parameters():
-        if name.rsplit(".", 1)[-1] == "bias":
-            rules[name] = ZEROS
+        elif isinstance(module, (nn.Linear, GroupedLinear)) and module.bias is not None:
+            rules[f"{at}bias"] = ZEROS
     missing = sorted(name for name, _ in model.named_parameters() if name not in rules)
     if missing:
         raise ValueError(f"model: no initialisation rule for {missing}")
@@ -91,7 +90,7 @@ def init_weights(model: nn.Module, seed: int, expert_offset: int = 0) -> None:
         ValueError: a parameter without a rule (``init_rules``), or on the meta device.
     """
     rules = init_rules(model)
-    experts = expert_param_names(model)
+    roles = param_roles(model, expert_offset)
     for name, param in model.named_parameters():
         if param.device.type == "meta":
             raise ValueError(f"model: {name} is on the meta device; allocate the model first (to_empty)")
@@ -100,12 +99,12 @@ def init_weights(model: nn.Module, seed: int, expert_offset: int = 0) -> None:
         if rule in (ONES, ZEROS):
             local.fill_(1.0 if rule == ONES else 0.0)
             continue
-        if name in experts and ".local_experts." not in name:  # GroupedMLP [L, ...]: a generator per global expert
-            full = torch.stack([_normal(tuple(param.shape[1:]), rule, _seed(seed, f"{name}[{expert_offset + e}]"),
+        role = roles[name]
+        if role.stacked:  # [L, ...]: a generator per global expert
+            full = torch.stack([_normal(tuple(param.shape[1:]), rule, _seed(seed, f"{role.name}[{expert_offset + e}]"),
                                         param.device, param.dtype) for e in range(param.shape[0])])
         else:
-            full = _normal(tuple(param.shape), rule, _seed(seed, global_param_name(name, expert_offset)), param.device,
-                           param.dtype)
+            full = _normal(tuple(param.shape), rule, _seed(seed, role.name), param.device, param.dtype)
         if isinstance(param, DTensor):
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         local.copy_(full)

@@ -14,19 +14,16 @@ buffers every forward, which is why torch's DDP goes first where it fits. Both r
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import replicate as ddp_replicate
 from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 
-from moe_core.parallel.fsdp import find_blocks, find_expert_modules, wrap_per_block
+from moe_core.parallel.fsdp import ModelParts, wrap_per_block
 from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
-def apply_ddp(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks: Iterable[nn.Module] | None = None
-              ) -> nn.Module:
+def apply_ddp(model: nn.Module, pg_collection: ProcessGroupCollection, parts: ModelParts) -> nn.Module:
     """Replicate ``model`` in place for EP training (Megatron's default DDP); after backward each gradient is the
     sum over its mesh (dense: all DP ranks, experts: expert-DP).
 
@@ -40,9 +37,8 @@ def apply_ddp(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks
     survive ``to_empty``). See ``apply_fsdp2`` for the arguments.
     """
     if not ddp_keeps_parameters_in_place(pg_collection):
-        return wrap_per_block(model, pg_collection, fsdp_replicate, blocks=blocks, wrap_lone_experts=False)
-    experts = [module for block in (find_blocks(model) if blocks is None else blocks)
-               for module in find_expert_modules(block)]
+        return wrap_per_block(model, pg_collection, fsdp_replicate, parts, wrap_lone_experts=False)
+    experts = list(parts.experts)
     expert_params = {p for module in experts for p in module.parameters()}
     for param in model.parameters():  # Megatron's marks; plain either way, so grad_clip checks the split by them
         param.allreduce = param not in expert_params

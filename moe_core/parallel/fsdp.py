@@ -23,6 +23,7 @@ FSDP2 report in docs).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -32,52 +33,46 @@ from torch.distributed.tensor import Shard
 from moe_core.parallel.process_groups import ProcessGroupCollection
 
 
-def find_expert_modules(model: nn.Module) -> list[nn.Module]:
-    """Submodules registered under the attribute name ``experts`` (``MoELayer.experts``), outermost first."""
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "experts" and not any(name.startswith(f"{p}.") for p, _ in found):
-            found.append((name, module))
-    return [m for _, m in found]
+@dataclass(frozen=True)
+class ModelParts:
+    """The parts of a model the data-parallel wrappers treat differently. The model's owner names them
+    (``moe_core.models.param_roles.model_parts`` for a ``GPTModel``); nothing here reads parameter names.
 
-
-def find_blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: children of every ``nn.ModuleList`` named ``layers``.
-
-    Raises:
-        ValueError: the model has no ``layers`` ModuleList (pass ``blocks=`` explicitly).
+    Attributes:
+        blocks: the transformer blocks, each wrapped on the DP mesh (then the root).
+        experts: the modules holding routed experts, each inside one block: wrapped on the expert-DP mesh.
+        dim0_halves: names of the parameters whose dim 0 holds a gated linear's ``[gate; up]`` halves
+            (``fsdp_shard_placement``).
     """
-    blocks = [b for name, m in model.named_modules() if name.rsplit(".", 1)[-1] == "layers"
-              and isinstance(m, nn.ModuleList) for b in m]
-    if not blocks:
-        raise ValueError(f"blocks: {type(model).__name__} has no nn.ModuleList named 'layers'; pass blocks=")
-    return blocks
+
+    blocks: tuple[nn.Module, ...]
+    experts: tuple[nn.Module, ...]
+    dim0_halves: frozenset[str] = frozenset()
 
 
-def split_expert_params(model: nn.Module, expert_modules: Iterable[nn.Module] | None = None
-                        ) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """``(dense_params, expert_params)`` of ``model`` (call again after wrapping: wrappers swap parameters)."""
-    experts = find_expert_modules(model) if expert_modules is None else list(expert_modules)
+def split_expert_params(model: nn.Module, experts: Iterable[nn.Module]) -> tuple[list[nn.Parameter],
+                                                                                 list[nn.Parameter]]:
+    """``(dense_params, expert_params)`` of ``model``, the expert ones those of the modules ``experts`` (call
+    again after wrapping: wrappers swap parameters)."""
     expert_ids = {id(p) for m in experts for p in m.parameters()}
     dense = [p for p in model.parameters() if id(p) not in expert_ids]
     expert = [p for p in model.parameters() if id(p) in expert_ids]
     return dense, expert
 
 
-def wrap_per_block(model: nn.Module, pg_collection: ProcessGroupCollection, wrap: Callable[..., nn.Module], *,
-                   blocks: Iterable[nn.Module] | None = None, wrap_lone_experts: bool = True,
-                   **wrap_kwargs) -> nn.Module:
-    """Apply ``wrap`` (``fully_shard`` or FSDP2's ``replicate``) per block: experts on the expert-DP mesh,
-    the block on the DP mesh, then the root; set sum reduction on every resulting module.
+def wrap_per_block(model: nn.Module, pg_collection: ProcessGroupCollection, wrap: Callable[..., nn.Module],
+                   parts: ModelParts, *, wrap_lone_experts: bool = True, **wrap_kwargs) -> nn.Module:
+    """Apply ``wrap`` (``fully_shard`` or FSDP2's ``replicate``) per block of ``parts``: the block's experts on
+    the expert-DP mesh, the block on the DP mesh, then the root; set sum reduction on every resulting module.
 
     ``wrap_lone_experts=False``: where the expert-DP mesh has one rank, the experts are not wrapped and the
     blocks' and root's wraps ignore their parameters, which stay as they are (plain tensors, or TP DTensors),
     marked ``allreduce = False`` (Megatron's mark of an expert parameter: ``grad_clip`` refuses them as dense)."""
-    blocks = find_blocks(model) if blocks is None else list(blocks)
     lone = not wrap_lone_experts and pg_collection.expt_dp_mesh.size() == 1
     ignored: set[nn.Parameter] = set()
-    for block in blocks:
-        for experts in find_expert_modules(block):
+    for block in parts.blocks:
+        in_block = {id(m) for m in block.modules()}
+        for experts in (m for m in parts.experts if id(m) in in_block):
             if lone:
                 for param in experts.parameters():
                     param.allreduce = False
@@ -93,27 +88,15 @@ def wrap_per_block(model: nn.Module, pg_collection: ProcessGroupCollection, wrap
     return model
 
 
-def gated_fc1_section_dim(config, name: str) -> int | None:
-    """The dimension of parameter ``name`` that holds a gated fc1's ``[gate; up]`` halves (gate first): 0 for an
-    ``nn.Linear`` ``linear_fc1.weight`` ``[2F, H]`` (dense MLP, shared expert, ``SequentialMLP`` expert), 2 for
-    ``GroupedMLP``'s ``experts.fc1.weight`` ``[L, H, 2F]``; None for other parameters, biases, non-gated
-    activations or ``config`` None."""
-    if config is None or not config.gated_linear_unit:
-        return None
-    if name.endswith("linear_fc1.weight"):
-        return 0
-    return 2 if name.endswith("experts.fc1.weight") else None
-
-
-def fsdp_shard_placement(model: nn.Module) -> Callable[[torch.Tensor], Shard | None]:
-    """FSDP2's ``shard_placement_fn`` for ``model``: dim 0 (None, FSDP2's default) for every parameter but a
-    gated fc1 ``nn.Linear`` weight ``[gate; up]`` (``gated_fc1_section_dim`` 0), sharded on dim 1, its
+def fsdp_shard_placement(model: nn.Module, dim0_halves: Iterable[str]) -> Callable[[torch.Tensor], Shard | None]:
+    """FSDP2's ``shard_placement_fn`` for ``model``: dim 0 (None, FSDP2's default) for every parameter but those
+    named in ``dim0_halves`` (an ``nn.Linear`` weight ``[gate; up]`` of a gated linear), sharded on dim 1, their
     input: then every shard holds matching rows of both halves, in every layout. A dim-0 shard would cut across
     the halves, and under TP the rows are ``[gate_r; up_r]`` already (``_StridedShard``), which FSDP2 cannot
     describe split again on dim 0 (checkpoints save the halves as an axis of their own, ``checkpoint_layout``).
     """
-    config = getattr(model, "config", None)
-    halves = {id(p) for name, p in model.named_parameters() if gated_fc1_section_dim(config, name) == 0}
+    names = set(dim0_halves)
+    halves = {id(p) for name, p in model.named_parameters() if name in names}
 
     def placement(param: torch.Tensor) -> Shard | None:
         return Shard(1) if id(param) in halves else None
@@ -121,24 +104,24 @@ def fsdp_shard_placement(model: nn.Module) -> Callable[[torch.Tensor], Shard | N
     return placement
 
 
-def apply_fsdp2(model: nn.Module, pg_collection: ProcessGroupCollection, *, blocks: Iterable[nn.Module] | None = None,
+def apply_fsdp2(model: nn.Module, pg_collection: ProcessGroupCollection, parts: ModelParts, *,
                 mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` in place with FSDP2 for EP training (Megatron's ``--use-torch-fsdp2``).
 
     Args:
-        model: contains transformer blocks (``find_blocks``) whose MoE layers hold ``experts`` modules.
+        model: the model, whose blocks and experts ``parts`` names.
         pg_collection: the process groups (``dp_mesh``, ``expt_dp_mesh``).
-        blocks: override ``find_blocks(model)``.
+        parts: the blocks, experts and gated weights of ``model`` (``ModelParts``).
         mp_policy: FSDP2 mixed precision (e.g. bf16 params, fp32 reduce); default full precision.
         reshard_after_forward: free unsharded parameters after forward (ZeRO-3) or keep them (ZeRO-2).
     Returns:
         ``model``; parameters become DTensors (Shard(0) on their mesh), gradients are summed.
     """
-    kwargs = {"reshard_after_forward": reshard_after_forward, "shard_placement_fn": fsdp_shard_placement(model)}
+    kwargs = {"reshard_after_forward": reshard_after_forward,
+              "shard_placement_fn": fsdp_shard_placement(model, parts.dim0_halves)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    return wrap_per_block(model, pg_collection, fully_shard, blocks=blocks, **kwargs)
+    return wrap_per_block(model, pg_collection, fully_shard, parts, **kwargs)
 
 
-__all__ = ["apply_fsdp2", "fsdp_shard_placement", "gated_fc1_section_dim", "find_blocks", "find_expert_modules",
-           "split_expert_params", "wrap_per_block"]
+__all__ = ["ModelParts", "apply_fsdp2", "fsdp_shard_placement", "split_expert_params", "wrap_per_block"]

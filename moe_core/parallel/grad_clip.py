@@ -64,7 +64,7 @@ def _check_mesh(grad: torch.Tensor, names: list[tuple[str, ...]] | None, where: 
     if names is not None and isinstance(grad, DTensor) and grad.device_mesh.mesh_dim_names not in names:
         raise ValueError(
             f"{where}: its gradient lives on mesh {grad.device_mesh.mesh_dim_names}, expected "
-            f"{' or '.join(map(str, names))}; pass the parameters as split_expert_params(model) splits them"
+            f"{' or '.join(map(str, names))}; pass the parameters as split_expert_params splits them"
         )
 
 
@@ -73,7 +73,7 @@ def _check_mark(param: torch.nn.Parameter, expert: bool, where: str) -> None:
     if getattr(param, "allreduce", None) is expert:
         kind = "a dense parameter (allreduce=True" if expert else "an expert parameter (allreduce=False"
         raise ValueError(f"{where}: {kind}, under DDP with a one-rank expert-DP mesh) in the "
-                         f"{'expert' if expert else 'dense'} list; pass the parameters as split_expert_params(model) "
+                         f"{'expert' if expert else 'dense'} list; pass the parameters as split_expert_params "
                          "splits them")
 
 

@@ -7,12 +7,15 @@ tensor that means the same in every layout: the single-process parameter (and it
 - expert tensors: an EP rank holds experts ``[r * L, (r + 1) * L)`` under the same name as the other EP ranks;
   its part becomes a DTensor of the expert mesh with ``Shard(0)`` over ``ep`` (global shape ``[E, ...]``; an
   expert-DP split of FSDP2 nests inside it as ``_StridedShard``). ``SequentialMLP`` experts take their global
-  index in the name instead (``state.global_param_name``).
+  index in the name instead (the single-process name of ``models.param_roles``).
 - a gated fc1 weight (``[gate; up]``, gate half first): TP / ETP hold ``[gate_r; up_r]``, no contiguous block of
-  it. In every layout it is saved with a section axis, ``[2, F, H]`` for ``linear_fc1`` and ``[E, H, 2, F]`` for
+  it. In every layout it is saved with a section axis, ``[2, F, H]`` for an ``nn.Linear`` and ``[E, H, 2, F]`` for
   ``GroupedMLP.fc1`` (Megatron's dist-checkpointing saves SwiGLU's fc1 this way), where each rank's part is one
   block (FSDP2 never splits it across the halves: ``fsdp.fsdp_shard_placement``). Its bias keeps ``[2F]``:
   TP never splits a gated bias (the config refuses biases with a gated TP MLP).
+
+Which parameters are experts, stacked or gated, and their single-process names, come from their roles
+(``models.param_roles``).
 
 Every view shares storage with the tensor it describes (``dcp.load`` writes in place); nothing is gathered.
 """
@@ -26,9 +29,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from moe_core.parallel.fsdp import gated_fc1_section_dim
+from moe_core.models.param_roles import expert_offset, param_roles
 from moe_core.parallel.process_groups import ProcessGroupCollection
-from moe_core.parallel.state import expert_param_names, global_param_name
 
 
 @dataclass(frozen=True)
@@ -48,17 +50,9 @@ class Layout:
 def layouts(model: nn.Module, pg_collection: ProcessGroupCollection | None) -> dict[str, Layout]:
     """The ``Layout`` of every parameter of ``model`` (a ``GPTModel`` in any layout; any other module is saved
     as it is), by its name."""
-    config = getattr(model, "config", None)
     ep = 1 if pg_collection is None else pg_collection.ep_size
-    offset = 0
-    if ep > 1 and config is not None and config.num_moe_experts is not None:
-        offset = pg_collection.local_expert_indices(config.num_moe_experts)[0]
-    experts = expert_param_names(model)
-    out = {}
-    for name, _ in model.named_parameters():
-        stacked = name in experts and ".local_experts." not in name
-        out[name] = Layout(global_param_name(name, offset), stacked and ep > 1, gated_fc1_section_dim(config, name))
-    return out
+    roles = param_roles(model, expert_offset(getattr(model, "config", None), pg_collection))
+    return {name: Layout(role.name, role.stacked and ep > 1, role.section_dim) for name, role in roles.items()}
 
 
 def _with_section(placement: Placement, dim: int) -> Placement:

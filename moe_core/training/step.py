@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
 from moe_core.models.init import init_weights
+from moe_core.models.param_roles import expert_modules, expert_offset, model_parts
 from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.ddp import apply_ddp, ddp_keeps_parameters_in_place
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
@@ -117,14 +118,11 @@ def build_model(model_config: TransformerConfig, cfg: TrainingConfig, device: to
             mp_policy = None
             if _bf16_on(cfg, device):
                 mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            apply_fsdp2(model, pg_collection, mp_policy=mp_policy)
+            apply_fsdp2(model, pg_collection, model_parts(model), mp_policy=mp_policy)
     model.to_empty(device=device)
-    expert_offset = 0
-    if pg_collection is not None and model_config.num_moe_experts is not None:
-        expert_offset = pg_collection.local_expert_indices(model_config.num_moe_experts)[0]
-    init_weights(model, cfg.seed, expert_offset)
+    init_weights(model, cfg.seed, expert_offset(model_config, pg_collection))
     if _wraps_with_ddp(cfg, pg_collection):
-        apply_ddp(model, pg_collection)
+        apply_ddp(model, pg_collection, model_parts(model))
     return model
 
 
@@ -151,7 +149,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig, *, fused: bool 
     Raises:
         ValueError: a group would hold DTensors of different meshes (naming two of them).
     """
-    dense, experts = split_expert_params(model)
+    dense, experts = split_expert_params(model, expert_modules(model))
     names = {id(p): name for name, p in model.named_parameters()}
     param_groups = [{"params": [p for p in params if (p.dim() >= 2) == decay],
                      "weight_decay": cfg.weight_decay if decay else 0.0}
@@ -209,7 +207,7 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
             # layer's graph at bucket boundaries, host time per piece (a global option: torchtitan's apply_ddp
             # sets it too).
             torch._dynamo.config.optimize_ddp = False
-    dense_params, expert_params = split_expert_params(model)
+    dense_params, expert_params = split_expert_params(model, expert_modules(model))
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg.lr, cfg.min_lr, cfg.lr_warmup_iters, cfg.train_iters)
     dp_size = 1 if pg_collection is None else pg_collection.dp_size

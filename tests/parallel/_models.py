@@ -18,6 +18,7 @@ from moe_core.config import TransformerConfig
 from moe_core.moe.alltoall_expert_rows import ExpertRowsAlltoAllDispatcher
 from moe_core.moe.capacity import apply_token_dropping, get_capacity
 from moe_core.moe.dispatcher_factory import EP_DISPATCHERS
+from moe_core.parallel.fsdp import ModelParts
 
 # "alltoall_expert_rows": one row per (token, expert) whatever the config (the layout kept for drop_and_pad).
 DISPATCHERS = {**EP_DISPATCHERS, "alltoall_expert_rows": ExpertRowsAlltoAllDispatcher}
@@ -210,6 +211,11 @@ class ToyModel(nn.Module):
         for layer in self.layers:
             x = layer(x, routing_map)
         return self.head(x)
+
+
+def toy_parts(model: ToyModel) -> ModelParts:
+    """The blocks and experts of a ``ToyModel``, for the data-parallel wrappers."""
+    return ModelParts(blocks=tuple(model.layers), experts=tuple(block.moe.experts for block in model.layers))
 
 
 def per_token_loss(out: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
+from moe_core.models.param_roles import expert_modules, model_parts
 from moe_core.moe.moe_layer import MoELayer
 from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
@@ -72,8 +73,8 @@ def _gpt_train(wrapper: str, ep: int, dispatcher: str, routing: str, steps: int 
     if routing == "ep_rank0_only":
         _route_to_first_experts(ref)
         _route_to_first_experts(model)
-    WRAPPERS[wrapper](model, pg)
-    dense, expert = split_expert_params(model)
+    WRAPPERS[wrapper](model, pg, model_parts(model))
+    dense, expert = split_expert_params(model, expert_modules(model))
     opt = torch.optim.AdamW([{"params": dense}, {"params": expert}], lr=1e-2, foreach=True)  # as in test_training
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     global_batch = BATCH_PER_RANK * world
@@ -163,7 +164,7 @@ def _router_loads(sequences_per_rank: list[int], forwards: int, wrap: str) -> li
     torch.manual_seed(0)
     model = GPTModel(gpt_config("alltoall", 2), pg).to(device())
     if wrap == "ddp":
-        apply_ddp(model, pg)
+        apply_ddp(model, pg, model_parts(model))
     else:  # torch's DDP as a wrapper, buffers broadcast from rank 0 before every forward (its default)
         model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=True)
     g = torch.Generator().manual_seed(rank)
@@ -192,7 +193,7 @@ def _masked_loss_under_fsdp2() -> dict:
     ref = GPTModel(gpt_config("alltoall")).to(dev)
     model = GPTModel(gpt_config("alltoall", 2), pg).to(dev)
     model.load_state_dict(ep_state(ref.state_dict(), pg.ep_rank, NUM_EXPERTS // 2))
-    apply_fsdp2(model, pg)
+    apply_fsdp2(model, pg, model_parts(model))
     global_batch = BATCH_PER_RANK * world
     tokens = torch.randint(0, 32, (global_batch, 9), generator=torch.Generator().manual_seed(7)).to(dev)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]

@@ -24,6 +24,7 @@ from tests.parallel._models import (
     per_token_loss,
     reference_state,
     token_counts,
+    toy_parts,
 )
 from tests.parallel.test_training import WRAPPERS
 
@@ -40,7 +41,7 @@ def _norms(wrapper: str, ep: int) -> dict:
     cfg = make_config(ep=ep)
     model = ToyModel(cfg, pg, "alltoall", pg.ep_rank).to(dev)
     load_ep_slice(model, full, pg.ep_rank, cfg.num_local_experts)
-    WRAPPERS[wrapper](model, pg)
+    WRAPPERS[wrapper](model, pg, toy_parts(model))
     counts = token_counts(sc, GLOBAL_TOKENS, world)
     start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
     routing = forced_routing(sc, GLOBAL_TOKENS, world, ep, 8).to(dev)
@@ -48,7 +49,7 @@ def _norms(wrapper: str, ep: int) -> dict:
     num_global = global_token_count(counts[rank], pg.dp, dev)
     token_mean_loss(per_token_loss(model(x[start:stop], routing[start:stop])), num_global).backward()
     (per_token_loss(ref(x, routing)).sum() / GLOBAL_TOKENS).backward()
-    dense, expert = split_expert_params(model)
+    dense, expert = split_expert_params(model, toy_parts(model).experts)
     assert dense and expert
     stats: dict = {}
     ref_grads = [p.grad for p in ref.parameters()]

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from moe_core.interop.hf import load_hf, load_hf_weights, read_hf_config
 from moe_core.interop.hf_config import config_from_hf
+from moe_core.models.full_state import gather_full_state_dict
 from moe_core.models.gpt import GPTModel
+from moe_core.models.param_roles import model_parts
 from moe_core.parallel.ddp import apply_ddp
 from moe_core.parallel.fsdp import apply_fsdp2
-from moe_core.parallel.state import gather_full_state_dict
 from moe_core.training.checkpoint import load_model_weights
 from tests.parallel._common import groups
 from tests.parallel._launch import BACKEND, device, run_distributed
@@ -32,7 +33,7 @@ def _load_on_rank(path: str, ep: int, wrap: str) -> dict:
     config = dataclasses.replace(config_from_hf(read_hf_config(path)), expert_model_parallel_size=ep)
     model = GPTModel(config, pg).to(device())
     if wrap != "none":
-        (apply_fsdp2 if wrap == "fsdp2" else apply_ddp)(model, pg)
+        (apply_fsdp2 if wrap == "fsdp2" else apply_ddp)(model, pg, model_parts(model))
     rows = load_hf_weights(model, path, pg)
     read = sum(rows.values())
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
@@ -82,7 +83,8 @@ def _load_weights_on_rank(path: str, checkpoint_dir: str, fsdp2: bool) -> dict:
     """What pretrain --finetune does under EP = 2: the model's weights only, into a wrapped EP model."""
     pg = groups(2, NUM_EXPERTS)
     config = dataclasses.replace(config_from_hf(read_hf_config(path)), expert_model_parallel_size=2)
-    model = (apply_fsdp2 if fsdp2 else apply_ddp)(GPTModel(config, pg).to(device()), pg)
+    model = GPTModel(config, pg).to(device())
+    (apply_fsdp2 if fsdp2 else apply_ddp)(model, pg, model_parts(model))
     load_model_weights(checkpoint_dir, model, pg)
     return {name: value.cpu() for name, value in gather_full_state_dict(model, pg).items()}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_core.parallel.state import expert_param_names
+from moe_core.models.param_roles import param_roles
 from moe_core.training.config import TrainingConfig
 from moe_core.training.step import build_model
 from tests.parallel._common import groups
@@ -21,7 +21,7 @@ def _build_and_compare(tp: int, ep: int, etp: int, fsdp2: bool, grouped: bool) -
     training = TrainingConfig(seed=7, use_torch_fsdp2=fsdp2, micro_batch_size=2)
     model = build_model(cfg, training, device(), pg)
     single = build_model(cfg.single_process(), training, device(), None)
-    experts = expert_param_names(model)
+    experts = {name for name, role in param_roles(model).items() if role.expert}
     differ = []
     for name, param in model.named_parameters():
         assert param.device.type == device().type, name

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from moe_core.config import TransformerConfig
+from moe_core.models.full_state import gather_full_state_dict
 from moe_core.models.gpt import GPTModel
-from moe_core.parallel.state import gather_full_state_dict
 from moe_core.training.checkpoint import load_checkpoint
 from moe_core.training.config import TrainingConfig
 from moe_core.training.schedule import build_scheduler

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from moe_core.parallel.state import expert_param_names, global_param_name
+from moe_core.models.param_roles import param_roles
 from moe_core.training import checkpoint
 from moe_core.training.checkpoint import load_checkpoint, save_checkpoint
 from moe_core.training.config import TrainingConfig
@@ -37,13 +37,12 @@ def _refuse(*_args, **_kwargs):
 def _state(state, pg) -> dict[str, torch.Tensor]:
     """Every parameter and AdamW moment as its single-process tensor, by single-process name (test only)."""
     model, optimizer = state.model, state.optimizer
-    experts = expert_param_names(model)
     ep = 1 if pg is None else pg.ep_size
-    offset = 0 if ep == 1 else pg.local_expert_indices(NUM_EXPERTS)[0]
+    roles = param_roles(model, 0 if ep == 1 else pg.local_expert_indices(NUM_EXPERTS)[0])
     out = {}
     for name, param in model.named_parameters():
-        stacked = name in experts and ".local_experts." not in name and ep > 1
-        key = global_param_name(name, offset)
+        stacked = roles[name].stacked and ep > 1
+        key = roles[name].name
         tensors = {"param": param, **{m: optimizer.state[param][m] for m in ("exp_avg", "exp_avg_sq")}}
         for what, t in tensors.items():
             out[f"{what} {key}"] = (t.detach() if pg is None else _full(t, stacked, pg)).cpu()

@@ -24,13 +24,15 @@ from torch.distributed.tensor import DTensor, Replicate
 
 import moe_core.moe.router as router_module
 from moe_core.config import TransformerConfig
+from moe_core.models.full_state import load_full_state_dict
 from moe_core.models.gpt import GPTModel
+from moe_core.models.param_roles import expert_modules, model_parts, param_roles
 from moe_core.parallel.collectives import all_gather_first_dim
 from moe_core.parallel.fsdp import split_expert_params
 from moe_core.parallel.grad_clip import clip_grad_norm_
 from moe_core.parallel.launch import rank_slice
 from moe_core.parallel.loss import reduce_loss_for_logging
-from moe_core.parallel.state import expert_param_names, full_tensor, load_full_state_dict
+from moe_core.parallel.state import full_tensor
 from moe_core.parallel.tensor_parallel import apply_tensor_parallel
 from moe_core.training.config import TrainingConfig
 from moe_core.training.step import build_optimizer
@@ -86,7 +88,7 @@ def build_pair(tp: int, ep: int, etp: int, wrapper: str, **config) -> tuple:
     model = GPTModel(cfg, pg).to(device())
     load_full_state_dict(model, ref.state_dict(), pg)
     apply_tensor_parallel(model, pg)
-    WRAPPERS[wrapper](model, pg)
+    WRAPPERS[wrapper](model, pg, model_parts(model))
     for layer in model.moe_layers() + ref.moe_layers():
         layer.router.aux_loss_scale = 1.0 / pg.dp_size  # one micro-batch per DP rank
     return pg, ref, model
@@ -107,8 +109,8 @@ def _train(tp: int, ep: int, etp: int, wrapper: str, shared: bool = True, gate: 
     dp = pg.dp_size
     train_cfg = TrainingConfig(lr=1e-2, micro_batch_size=BATCH_PER_DP)
     opt, ref_opt = build_optimizer(model, train_cfg), build_optimizer(ref, train_cfg)
-    dense, expert = split_expert_params(model)
-    experts = expert_param_names(model)
+    dense, expert = split_expert_params(model, expert_modules(model))
+    experts = {name for name, role in param_roles(model).items() if role.expert}
     errors: list[str] = []
     stats: dict = {}
 

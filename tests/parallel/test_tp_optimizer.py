@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from moe_core.models.param_roles import expert_modules
 from moe_core.parallel.fsdp import split_expert_params
 from moe_core.parallel.grad_clip import clip_grad_norm_, get_grad_norm
 from moe_core.parallel.launch import rank_slice
@@ -44,7 +45,7 @@ def _norms_and_adamw(tp: int, ep: int, etp: int, wrapper: str) -> dict:
     (model(inputs[rows], labels[rows]).sum() / labels.numel()).backward()
     for m in micro:
         (ref(inputs[m], labels[m]).sum() / labels.numel()).backward()
-    dense, expert = split_expert_params(model)
+    dense, expert = split_expert_params(model, expert_modules(model))
     kinds = set().union(*(_tp_placements(p) for p in dense))
     assert kinds == {"split", "replicated"} and expert, (kinds, len(expert))
     stats: dict = {}

@@ -35,6 +35,7 @@ from tests.parallel._models import (
     per_token_loss,
     reference_state,
     token_counts,
+    toy_parts,
 )
 
 GLOBAL_TOKENS = 24
@@ -80,8 +81,8 @@ def _train(wrapper: str, ep: int, scenario: str, dispatcher: str = "alltoall", s
         cfg = make_config(NUM_EXPERTS, sc.topk, ep=ep)
         model = ToyModel(cfg, pg, dispatcher, pg.ep_rank).to(dev)
         load_ep_slice(model, full, pg.ep_rank, cfg.num_local_experts)
-    WRAPPERS[wrapper](model, pg)
-    dense, expert = split_expert_params(model)
+    WRAPPERS[wrapper](model, pg, toy_parts(model))
+    dense, expert = split_expert_params(model, toy_parts(model).experts)
     if wrapper == "ddp":  # experts alone on their expert-DP mesh stay unwrapped, the dense ones under torch's DDP
         lone = pg.expt_dp_mesh.size() == 1
         assert all(isinstance(p, DTensor) != lone for p in expert + dense)
