@@ -151,7 +151,7 @@ class TransformerConfig:
     """EP size: ranks over which the experts are split."""
     tensor_model_parallel_size: int = 1
     """TP size: attention heads (whole query groups), the dense MLP and the shared expert split over this many
-    ranks (``moe_core.parallel.tensor_parallel``); requires ``sequence_parallel``."""
+    ranks (``moe_core.models.tp_plan``); requires ``sequence_parallel``."""
     sequence_parallel: bool = False
     """Split the sequence over the TP ranks outside attention and the MLPs (norms, router, experts, loss); every
     MoE layer then routes each token on exactly one TP rank. Required when tensor_model_parallel_size > 1

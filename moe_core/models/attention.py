@@ -38,7 +38,7 @@ class SelfAttention(nn.Module):
     """``linear_qkv`` (H -> (Nq + 2 Nkv) D, grouped as ``qkv_row_blocks`` describes) -> QK-norm -> RoPE ->
     causal SDPA with GQA -> ``linear_proj`` (Nq D -> H).
 
-    Under tensor parallelism (``moe_core.parallel.tensor_parallel``) ``linear_qkv`` holds whole query groups
+    Under tensor parallelism (``moe_core.models.tp_plan``) ``linear_qkv`` holds whole query groups
     and ``linear_proj`` the matching input columns; the forward reads its head counts off the tensors, so it
     runs unchanged on 1/TP of the heads.
 

@@ -26,7 +26,7 @@ class GPTModel(nn.Module):
     normal(0, init_method_std); see ``SelfAttention`` and ``MLP`` for the rest.
 
     Under tensor parallelism the model is built whole and split by
-    ``moe_core.parallel.tensor_parallel.apply_tensor_parallel`` before its first forward; each TP rank then
+    ``moe_core.models.tp_plan.apply_tensor_parallel`` before its first forward; each TP rank then
     computes the loss of its slice of the sequence and the forward returns the whole ``[B, S]`` loss.
 
     Args:

@@ -1,8 +1,8 @@
 """What each parameter of a ``GPTModel`` is: the one place that knows the model's structure.
 
 Everything that treats parameters by kind asks here, and this module decides by module type, never by name:
-the checkpoint layout (single-process names, stacked experts, gated halves), the initialisation and the
-data-parallel wrappers (``model_parts``).
+the checkpoint layout (single-process names, stacked experts, gated halves), the initialisation, the TP plan
+(``tp_plan``) and the data-parallel wrappers (``model_parts``).
 
 Legend (docs/design.md): L local experts, H hidden, F ffn width (2F for a gated ``linear_fc1``), V vocabulary,
 Nq / Nkv query / key-value heads, D head dim. ``tp_dim`` and ``section_dim`` by module type:

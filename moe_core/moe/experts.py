@@ -13,7 +13,7 @@ expert without rows, so every rank builds the same autograd graph and every expe
 (exactly zero when it saw no row), never None.
 
 Under expert tensor parallelism the weights are DTensors of the ETP mesh (fc1 split by output columns, fc2 by
-input rows, ``moe_core.parallel.tensor_parallel``) and each rank computes with its shard
+input rows, ``moe_core.models.tp_plan``) and each rank computes with its shard
 (``tp_weights.local_shard``): its output rows are partial sums, reduced by ``MoELayer``.
 """
 

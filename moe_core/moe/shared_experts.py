@@ -29,7 +29,7 @@ class SharedExpertMLP(MLP):
 
     ``start(hidden)`` runs the same forward so that it can overlap the dispatcher's all-to-all
     (``moe_shared_expert_overlap``); attribute ``overlap`` says whether it will, where CUDA allows.
-    Under TP (``moe_core.parallel.tensor_parallel``) fc1 and fc2 gather and scatter the tokens themselves:
+    Under TP (``moe_core.models.tp_plan``) fc1 and fc2 gather and scatter the tokens themselves:
     ``hidden`` and the output are this rank's tokens, and the gate (a replicated weight) is computed on them,
     its gradient reduced over the TP group where it is read (``tp_weights.tp_full``).
 

@@ -32,13 +32,13 @@ from moe_core.config import TransformerConfig
 from moe_core.models.gpt import GPTModel
 from moe_core.models.init import init_weights
 from moe_core.models.param_roles import expert_modules, expert_offset, model_parts
+from moe_core.models.tp_plan import apply_tensor_parallel
 from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.ddp import apply_ddp, ddp_keeps_parameters_in_place
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
 from moe_core.parallel.grad_clip import clip_coefficient, get_grad_norm, scale_grads_
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
-from moe_core.parallel.tensor_parallel import apply_tensor_parallel
 from moe_core.training.config import TrainingConfig
 from moe_core.training.memory import check_model_fits
 from moe_core.training.schedule import build_scheduler

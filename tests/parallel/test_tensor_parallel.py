@@ -27,13 +27,13 @@ from moe_core.config import TransformerConfig
 from moe_core.models.full_state import load_full_state_dict
 from moe_core.models.gpt import GPTModel
 from moe_core.models.param_roles import expert_modules, model_parts, param_roles
+from moe_core.models.tp_plan import apply_tensor_parallel, tp_placement
 from moe_core.parallel.collectives import all_gather_first_dim
 from moe_core.parallel.fsdp import split_expert_params
 from moe_core.parallel.grad_clip import clip_grad_norm_
 from moe_core.parallel.launch import rank_slice
 from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.state import full_tensor
-from moe_core.parallel.tensor_parallel import apply_tensor_parallel
 from moe_core.training.config import TrainingConfig
 from moe_core.training.step import build_optimizer
 from tests.parallel._common import compare, groups
@@ -88,6 +88,10 @@ def build_pair(tp: int, ep: int, etp: int, wrapper: str, **config) -> tuple:
     model = GPTModel(cfg, pg).to(device())
     load_full_state_dict(model, ref.state_dict(), pg)
     apply_tensor_parallel(model, pg)
+    roles = param_roles(model)
+    misplaced = {name: p.placements for name, p in model.named_parameters()
+                 if isinstance(p, DTensor) and p.placements != (tp_placement(roles[name]),)}
+    assert not misplaced, f"placed otherwise than their roles say: {misplaced}"
     WRAPPERS[wrapper](model, pg, model_parts(model))
     for layer in model.moe_layers() + ref.moe_layers():
         layer.router.aux_loss_scale = 1.0 / pg.dp_size  # one micro-batch per DP rank
