@@ -200,8 +200,8 @@ _NAME_TESTS = {"endswith", "startswith", "removeprefix", "removesuffix", "split"
 
 
 def model_name_parts() -> set[str]:
-    """Every part of a parameter name of GPTModels with every optional parameter (grouped and sequential
-    experts)."""
+    """Every part of a parameter name of GPTModels with every optional parameter (grouped and sequential experts),
+    current and former names."""
     config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4, num_query_groups=2,
                                ffn_hidden_size=16, vocab_size=32, seq_length=8, qk_layernorm=True, add_bias_linear=True,
                                num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, moe_layer_freq=[0, 1],
@@ -210,7 +210,8 @@ def model_name_parts() -> set[str]:
     with torch.device("meta"):
         for grouped in (True, False):
             for role in param_roles(GPTModel(dataclasses.replace(config, moe_grouped_gemm=grouped))).values():
-                parts.update(p for p in role.name.split(".") if not p.isdigit())
+                parts.update(p for name in (role.name, role.former_name or "") for p in name.split(".") if p and
+                             not p.isdigit())
     return parts
 
 

@@ -91,8 +91,8 @@ class NativeMoE(nn.Module):
         if bad:
             raise ValueError(f"layer.config: NativeMoE computes the plain softmax top-k SwiGLU layer; these fields "
                              f"differ from it: {bad}")
-        return cls(layer.router.weight, layer.experts.fc1.weight, layer.experts.fc2.weight, cfg.moe_router_topk,
-                   grouped_mm)
+        return cls(layer.router.weight, layer.experts.linear_fc1.weight, layer.experts.linear_fc2.weight,
+                   cfg.moe_router_topk, grouped_mm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> the same shape, in x's dtype (under autocast: the autocast dtype)."""

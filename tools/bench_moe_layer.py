@@ -92,13 +92,13 @@ def moe_config(tokens: int, hidden: int, ffn: int, experts: int, topk: int) -> T
 @torch.no_grad()
 def sequential_layer(layer: MoELayer) -> MoELayer:
     """A ``MoELayer`` with SequentialMLP experts holding copies of ``layer``'s weights."""
-    weight = layer.experts.fc1.weight
+    weight = layer.experts.linear_fc1.weight
     with torch.device(weight.device):
         seq = MoELayer(dataclasses.replace(layer.config, moe_grouped_gemm=False)).to(weight.dtype)
     seq.router.weight.copy_(layer.router.weight)
     for e, expert in enumerate(seq.experts.local_experts):
-        expert.linear_fc1.weight.copy_(layer.experts.fc1.weight[e].t())
-        expert.linear_fc2.weight.copy_(layer.experts.fc2.weight[e].t())
+        expert.linear_fc1.weight.copy_(layer.experts.linear_fc1.weight[e].t())
+        expert.linear_fc2.weight.copy_(layer.experts.linear_fc2.weight[e].t())
     return seq
 
 
@@ -106,7 +106,7 @@ def sequential_layer(layer: MoELayer) -> MoELayer:
 def probs_on_output_layer(layer: MoELayer) -> MoELayer:
     """``layer`` with ``moe_apply_probs_on_output``: the same weights, probs multiplying each expert's output
     instead of its activation (the same function, rounded elsewhere)."""
-    weight = layer.experts.fc1.weight
+    weight = layer.experts.linear_fc1.weight
     with torch.device(weight.device):
         variant = MoELayer(dataclasses.replace(layer.config, moe_apply_probs_on_output=True)).to(weight.dtype)
     variant.load_state_dict(layer.state_dict())
@@ -125,15 +125,15 @@ def hf_block(layer: MoELayer) -> torch.nn.Module:
     hf_config = Qwen3MoeConfig(hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_ffn_hidden_size,
                                num_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk,
                                norm_topk_prob=True, hidden_act="silu", experts_implementation="grouped_mm")
-    weight = layer.experts.fc1.weight
+    weight = layer.experts.linear_fc1.weight
     with torch.device(weight.device):
         block = Qwen3MoeSparseMoeBlock(hf_config).to(weight.dtype)
     if block.experts.config._experts_implementation != "grouped_mm":
         raise RuntimeError(f"hf: experts implementation {block.experts.config._experts_implementation!r}, "
                            "expected 'grouped_mm'")
     block.gate.weight.copy_(layer.router.weight)
-    block.experts.gate_up_proj.copy_(layer.experts.fc1.weight.transpose(1, 2))
-    block.experts.down_proj.copy_(layer.experts.fc2.weight.transpose(1, 2))
+    block.experts.gate_up_proj.copy_(layer.experts.linear_fc1.weight.transpose(1, 2))
+    block.experts.down_proj.copy_(layer.experts.linear_fc2.weight.transpose(1, 2))
     return block
 
 

@@ -6,8 +6,8 @@ Legend: L layers, H hidden, V vocabulary, Nq / Nkv query / key-value heads, D he
 A moe_core parameter is either row blocks of HF tensors stacked along dim 0 (``RowConcat``: ``linear_qkv``
 holds each query group's q heads, k head and v head in turn, Megatron's layout ``qkv_row_blocks``; a dense
 ``linear_fc1`` is gate, up) or a ``GroupedMLP`` weight whose expert e is HF's per-expert tensors
-stacked and transposed (``ExpertStack``: ``fc1[e] [H, 2F] = cat(gate_e [F, H], up_e [F, H]).T``, gate half
-first; ``fc2[e] [F, H] = down_e.T``). HF checkpoints keep one tensor per expert (the Hub's layout, and what
+stacked and transposed (``ExpertStack``: ``linear_fc1[e] [H, 2F] = cat(gate_e [F, H], up_e [F, H]).T``, gate
+half first; ``linear_fc2[e] [F, H] = down_e.T``). HF checkpoints keep one tensor per expert (the Hub's layout, and what
 ``save_pretrained`` writes), so a rank can read exactly the experts and rows it holds.
 """
 
@@ -83,10 +83,10 @@ def weight_map(config: TransformerConfig) -> dict[str, RowConcat | ExpertStack]:
         if c.is_moe_layer(i):
             moe, ffn, experts = f"{theirs}.{block}", c.moe_ffn_hidden_size, c.num_moe_experts
             out[f"{ours}.mlp.router.weight"] = one(f"{moe}.gate.weight", experts)
-            out[f"{ours}.mlp.experts.fc1.weight"] = ExpertStack(
+            out[f"{ours}.mlp.experts.linear_fc1.weight"] = ExpertStack(
                 ((f"{moe}.experts.{{e}}.{gate}.weight", ffn), (f"{moe}.experts.{{e}}.{up}.weight", ffn)), experts)
-            out[f"{ours}.mlp.experts.fc2.weight"] = ExpertStack(((f"{moe}.experts.{{e}}.{down}.weight", hidden),),
-                                                                experts)
+            out[f"{ours}.mlp.experts.linear_fc2.weight"] = ExpertStack(
+                ((f"{moe}.experts.{{e}}.{down}.weight", hidden),), experts)
         else:
             ffn = c.ffn_hidden_size
             out[f"{ours}.mlp.linear_fc1.weight"] = RowConcat(

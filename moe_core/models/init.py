@@ -52,12 +52,10 @@ def init_rules(model: nn.Module) -> dict[str, float | str]:
             rules[f"{at}weight"] = ONES
         elif isinstance(module, SelfAttention):
             rules.update({f"{at}linear_qkv.weight": std, f"{at}linear_proj.weight": out_std})
-        elif isinstance(module, MLP):  # dense MLP, shared expert, SequentialMLP expert
+        elif isinstance(module, (MLP, GroupedMLP)):  # dense MLP, shared expert, experts
             rules.update({f"{at}linear_fc1.weight": std, f"{at}linear_fc2.weight": out_std})
             if isinstance(module, SharedExpertMLP) and module.gate_weight is not None:
                 rules[f"{at}gate_weight"] = std
-        elif isinstance(module, GroupedMLP):
-            rules.update({f"{at}fc1.weight": std, f"{at}fc2.weight": out_std})
         elif isinstance(module, TopKRouter):
             rules[f"{at}weight"] = std
         elif isinstance(module, (nn.Linear, GroupedLinear)) and module.bias is not None:

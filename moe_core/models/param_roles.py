@@ -16,9 +16,9 @@ Nq / Nkv query / key-value heads, D head dim. ``tp_dim`` and ``section_dim`` by 
     MLP (dense, shared        linear_fc1.weight      [2F, H]              0       0
     expert, SequentialMLP     linear_fc1.bias        [2F]                 0
     expert)                   linear_fc2.weight      [H, F]               1
-    GroupedMLP (stacked       fc1.weight             [L, H, 2F]           2       2
-    experts)                  fc1.bias               [L, 2F]              1
-                              fc2.weight             [L, F, H]            1
+    GroupedMLP (stacked       linear_fc1.weight      [L, H, 2F]           2       2
+    experts)                  linear_fc1.bias        [L, 2F]              1
+                              linear_fc2.weight      [L, F, H]            1
 
 Every other parameter (norms, the router, the shared expert's gate, row-split biases) is whole on every TP
 rank. ``GroupedMLP`` and ``SequentialMLP`` hold the routed experts.
@@ -50,8 +50,10 @@ class ParamRole:
             it): a ``SequentialMLP`` expert's global index in place of its local one; else the parameter's name.
         expert: a routed expert's parameter: EP splits the experts over ranks, expert-DP reduces their gradients.
         stacked: dim 0 indexes experts (``GroupedMLP``: this rank's L of the single-process E).
-        section_dim: the dim holding a gated fc1's ``[gate; up]`` halves (gate first), or None.
+        section_dim: the dim holding a gated ``linear_fc1``'s ``[gate; up]`` halves (gate first), or None.
         tp_dim: the dim tensor parallelism splits (expert TP for an expert), or None: whole on every TP rank.
+        former_name: the single-process name in checkpoints whose ``GroupedMLP`` linears are named ``fc1`` /
+            ``fc2``; None for every other parameter.
     """
 
     name: str
@@ -59,6 +61,7 @@ class ParamRole:
     stacked: bool = False
     section_dim: int | None = None
     tp_dim: int | None = None
+    former_name: str | None = None
 
 
 def _join(*parts: str) -> str:
@@ -81,7 +84,8 @@ def _column_then_row(first: str, second: str, *, out_dim: int, in_dim: int, bias
 def _splits(module: nn.Module) -> dict[str, dict]:
     """``{parameter path under module: ParamRole fields}`` for the splits ``module``'s type fixes."""
     if isinstance(module, GroupedMLP):  # weights [L, in, out], biases [L, out]
-        return _column_then_row("fc1", "fc2", out_dim=2, in_dim=1, bias_out_dim=1, gated=_gated(module))
+        return _column_then_row("linear_fc1", "linear_fc2", out_dim=2, in_dim=1, bias_out_dim=1,
+                                gated=_gated(module))
     if isinstance(module, MLP):  # nn.Linear: weights [out, in], biases [out]
         return _column_then_row("linear_fc1", "linear_fc2", out_dim=0, in_dim=1, bias_out_dim=0,
                                 gated=_gated(module))
@@ -95,7 +99,9 @@ def _splits(module: nn.Module) -> dict[str, dict]:
 def _experts(module: nn.Module, expert_offset: int) -> dict[str, dict]:
     """``{parameter path under module: ParamRole fields}`` of a module holding routed experts."""
     if isinstance(module, GroupedMLP):
-        return {path: {"expert": True, "stacked": True} for path, _ in module.named_parameters()}
+        return {f"{linear}.{param}": {"expert": True, "stacked": True, "former_name": f"{former}.{param}"}
+                for linear, former in (("linear_fc1", "fc1"), ("linear_fc2", "fc2"))
+                for param, _ in getattr(module, linear).named_parameters()}
     if isinstance(module, SequentialMLP):  # local expert l is global expert expert_offset + l
         return {f"local_experts.{local}.{param}": {"expert": True,
                                                    "name": f"local_experts.{expert_offset + local}.{param}"}
@@ -118,7 +124,7 @@ def param_roles(model: nn.Module, expert_offset: int = 0) -> dict[str, ParamRole
             for path, fields in table.items():
                 name = _join(prefix, path)
                 if name in roles:
-                    named = {"name": _join(prefix, fields["name"])} if "name" in fields else {}
+                    named = {key: _join(prefix, fields[key]) for key in ("name", "former_name") if key in fields}
                     roles[name] = dataclasses.replace(roles[name], **{**fields, **named})
     return roles
 

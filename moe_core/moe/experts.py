@@ -69,8 +69,9 @@ class GroupedLinear(nn.Module):
 
 
 class GroupedMLP(nn.Module):
-    """The TEGroupedMLP equivalent: ``fc1.weight`` [E, H, F] ([E, H, 2F] gated, gate half first),
-    ``fc2.weight`` [E, F, H], biases ``fc1.bias`` [E, F or 2F] and ``fc2.bias`` [E, H] with ``add_bias_linear``.
+    """The TEGroupedMLP equivalent: ``linear_fc1.weight`` [E, H, F] ([E, H, 2F] gated, gate half first),
+    ``linear_fc2.weight`` [E, F, H], biases ``linear_fc1.bias`` [E, F or 2F] and ``linear_fc2.bias`` [E, H] with
+    ``add_bias_linear`` (Megatron's names).
 
     Init: normal(0, init_method_std); fc2 with init_method_std / sqrt(2 * num_layers) (Megatron's
     output_layer_init_method, GPT-2's scaled residual init); biases zero.
@@ -91,9 +92,9 @@ class GroupedMLP(nn.Module):
         self.activation_func = config.activation_func
         self.probs_on_output = config.moe_apply_probs_on_output
         self.recompute_activation = config.recomputes("moe_act")
-        self.fc1 = GroupedLinear(num_local_experts, config.hidden_size, fc1_out, config.add_bias_linear, std)
-        self.fc2 = GroupedLinear(num_local_experts, ffn, config.hidden_size, config.add_bias_linear,
-                                 std / math.sqrt(2 * config.num_layers))
+        self.linear_fc1 = GroupedLinear(num_local_experts, config.hidden_size, fc1_out, config.add_bias_linear, std)
+        self.linear_fc2 = GroupedLinear(num_local_experts, ffn, config.hidden_size, config.add_bias_linear,
+                                        std / math.sqrt(2 * config.num_layers))
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -103,20 +104,22 @@ class GroupedMLP(nn.Module):
         No host sync. Raises ValueError / TypeError on mismatched shapes or dtypes.
         """
         x = permuted_local_hidden_states
-        check_expert_inputs(x, tokens_per_expert, permuted_probs, self.num_local_experts, self.fc1.weight.shape[1])
+        check_expert_inputs(x, tokens_per_expert, permuted_probs, self.num_local_experts,
+                            self.linear_fc1.weight.shape[1])
         if self.probs_on_output:
-            out = self.fc2(activation(self.fc1(x, tokens_per_expert), self.activation_func), tokens_per_expert)
+            out = self.linear_fc2(activation(self.linear_fc1(x, tokens_per_expert), self.activation_func),
+                                  tokens_per_expert)
             return _scale_rows(out, permuted_probs), None
         used_rows = tokens_per_expert.sum()
 
         def act(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
             return _activation_with_probs(fc1_out, self.activation_func, probs, used_rows)
 
-        fc1_out = self.fc1(x, tokens_per_expert)
+        fc1_out = self.linear_fc1(x, tokens_per_expert)
         # moe_act recompute: fc2 keeps no copy of the activation, backward makes it again from fc1's output.
         intermediate = (recompute_output(act, fc1_out, permuted_probs) if self.recompute_activation
                         else act(fc1_out, permuted_probs))
-        return self.fc2(intermediate, tokens_per_expert, row_scale=permuted_probs), None
+        return self.linear_fc2(intermediate, tokens_per_expert, row_scale=permuted_probs), None
 
 
 class SequentialMLP(nn.Module):
@@ -176,7 +179,8 @@ def copy_sequential_to_grouped(sequential: SequentialMLP, grouped: GroupedMLP) -
             f"grouped: expected {sequential.num_local_experts} experts like sequential, got {grouped.num_local_experts}"
         )
     for e, expert in enumerate(sequential.local_experts):
-        for linear, grouped_linear in ((expert.linear_fc1, grouped.fc1), (expert.linear_fc2, grouped.fc2)):
+        for linear, grouped_linear in ((expert.linear_fc1, grouped.linear_fc1),
+                                      (expert.linear_fc2, grouped.linear_fc2)):
             if linear.weight.t().shape != grouped_linear.weight.shape[1:]:
                 raise ValueError(
                     f"grouped: expected weights [E, {linear.in_features}, {linear.out_features}], got "

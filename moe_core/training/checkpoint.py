@@ -19,7 +19,8 @@ The tensors are saved sharded, each rank writing only what it holds, in the sing
 FSDP2) placed in the single-process tensor, expert tensors with their EP rank's experts at rows
 ``[r * L, (r + 1) * L)`` of ``[E, ...]``, a gated fc1 with a ``[gate, up]`` section axis. No rank gathers a
 full state dict, on save or load, and DCP reads any other layout's shards (TP, EP, FSDP2 or DP sizes, one
-process) by their offsets.
+process) by their offsets. A checkpoint that names ``GroupedMLP``'s linears ``fc1`` / ``fc2`` loads into
+``linear_fc1`` / ``linear_fc2`` (``checkpoint_layout.as_saved``).
 
 Loading checks, in order, before any tensor is read: the manifest (sizes and SHA-256 of every file), the type
 and range of every field of state.json, the architecture (``TransformerConfig`` fields outside
@@ -55,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from moe_core.config import TransformerConfig
 from moe_core.training import checkpoint_files as files
 from moe_core.training.checkpoint_files import CheckpointError
-from moe_core.training.checkpoint_layout import layouts, model_views, optimizer_views
+from moe_core.training.checkpoint_layout import as_saved, layouts, model_views, optimizer_views
 from moe_core.training.checkpoint_metadata import VerifiedReader, read_metadata
 from moe_core.training.checkpoint_state import FORMAT, check_resumable, read_state
 
@@ -314,7 +315,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, optimizer: 
                               f"got {seed}")
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
     check_resumable(directory / files.STATE, state, scheduler.state_dict(), optim_sd["param_groups"])
-    layout = layouts(model, pg_collection)
+    layout = as_saved(layouts(model, pg_collection), set(_saved_model_shapes(metadata)))
     # The views share storage with model_sd / optim_sd's tensors (the live shards): dcp.load fills them in place.
     tensors = {"model": model_views(model_sd, layout, pg_collection),
                "optim": {"state": optimizer_views(optim_sd["state"], layout, pg_collection)}}
@@ -352,10 +353,9 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_colle
     log = log or (lambda _msg: None)
     directory, _, metadata, diffs = _open_checkpoint(path, model_config, partial, log)
     model_sd = get_model_state_dict(model, options=_OPTIONS)
+    saved = _saved_model_shapes(metadata)
     # The views share storage with model_sd's tensors (the live shards): dcp.load fills them in place.
-    views = model_views(model_sd, layouts(model, pg_collection), pg_collection)
-    saved = {k[len("model."):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-             if k.startswith("model.")}
+    views = model_views(model_sd, as_saved(layouts(model, pg_collection), set(saved)), pg_collection)
     matching = {k: v for k, v in views.items() if saved.get(k) == tuple(v.shape)}
     others = sorted(set(views) - set(matching))
     if others and not partial:
@@ -368,6 +368,12 @@ def load_model_weights(path: str | os.PathLike, model: torch.nn.Module, pg_colle
     if partial:
         log(f"load: partial load of {directory}: {len(matching)} of {len(views)} tensors; kept fresh: "
             f"{others or 'none'}; architecture differences: {diffs or 'none'}")
+
+
+def _saved_model_shapes(metadata: Any) -> dict[str, tuple[int, ...]]:
+    """The model tensors a checkpoint's DCP ``metadata`` holds: ``{key: shape}``."""
+    return {k[len("model."):]: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+            if k.startswith("model.")}
 
 
 def check_save_dir(save_dir: str | os.PathLike) -> None:

@@ -10,19 +10,20 @@ tensor that means the same in every layout: the single-process parameter (and it
   index in the name instead (the single-process name of ``models.param_roles``).
 - a gated fc1 weight (``[gate; up]``, gate half first): TP / ETP hold ``[gate_r; up_r]``, no contiguous block of
   it. In every layout it is saved with a section axis, ``[2, F, H]`` for an ``nn.Linear`` and ``[E, H, 2, F]`` for
-  ``GroupedMLP.fc1`` (Megatron's dist-checkpointing saves SwiGLU's fc1 this way), where each rank's part is one
-  block (FSDP2 never splits it across the halves: ``fsdp.fsdp_shard_placement``). Its bias keeps ``[2F]``:
+  ``GroupedMLP.linear_fc1`` (Megatron's dist-checkpointing saves SwiGLU's fc1 this way), where each rank's part is
+  one block (FSDP2 never splits it across the halves: ``fsdp.fsdp_shard_placement``). Its bias keeps ``[2F]``:
   TP never splits a gated bias (the config refuses biases with a gated TP MLP).
 
 Which parameters are experts, stacked or gated, and their single-process names, come from their roles
-(``models.param_roles``).
+(``models.param_roles``). A checkpoint that holds a tensor under its former name (``GroupedMLP``'s linears as
+``fc1`` / ``fc2``) is read under that name (``as_saved``).
 
 Every view shares storage with the tensor it describes (``dcp.load`` writes in place); nothing is gathered.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -40,11 +41,13 @@ class Layout:
     Attributes:
         key: the single-process name. experts_split: dim 0 holds this EP rank's L of E experts (EP > 1).
         section_dim: the dim of a gated fc1's [gate; up] halves, saved as a new axis of size 2; None otherwise.
+        former_key: the key older checkpoints hold it under, or None.
     """
 
     key: str
     experts_split: bool
     section_dim: int | None
+    former_key: str | None = None
 
 
 def layouts(model: nn.Module, pg_collection: ProcessGroupCollection | None) -> dict[str, Layout]:
@@ -52,7 +55,16 @@ def layouts(model: nn.Module, pg_collection: ProcessGroupCollection | None) -> d
     as it is), by its name."""
     ep = 1 if pg_collection is None else pg_collection.ep_size
     roles = param_roles(model, expert_offset(getattr(model, "config", None), pg_collection))
-    return {name: Layout(role.name, role.stacked and ep > 1, role.section_dim) for name, role in roles.items()}
+    return {name: Layout(role.name, role.stacked and ep > 1, role.section_dim, role.former_name)
+            for name, role in roles.items()}
+
+
+def as_saved(layout: dict[str, Layout], saved_keys: set[str]) -> dict[str, Layout]:
+    """``layout`` with the key of each parameter that the checkpoint of model keys ``saved_keys`` holds under its
+    former key only replaced by that one."""
+    return {name: replace(entry, key=entry.former_key)
+            if entry.key not in saved_keys and entry.former_key in saved_keys else entry
+            for name, entry in layout.items()}
 
 
 def _with_section(placement: Placement, dim: int) -> Placement:
@@ -123,4 +135,4 @@ def optimizer_views(optim_state: dict[str, dict], layout: dict[str, Layout],
             for name, state in optim_state.items()}
 
 
-__all__ = ["Layout", "layouts", "checkpoint_view", "model_views", "optimizer_views"]
+__all__ = ["Layout", "layouts", "as_saved", "checkpoint_view", "model_views", "optimizer_views"]

@@ -37,9 +37,10 @@ def make_pair(num_experts: int, dtype: torch.dtype, **kw) -> tuple[SequentialMLP
 
 def per_row_reference(grouped: GroupedMLP, x, counts, probs) -> torch.Tensor:
     """p * (act(x @ W1_e + b1_e) @ W2_e + b2_e), row by row, in float64."""
-    w1, w2 = grouped.fc1.weight.double(), grouped.fc2.weight.double()
-    b1 = grouped.fc1.bias.double() if grouped.fc1.bias is not None else torch.zeros(w1.shape[0], w1.shape[2])
-    b2 = grouped.fc2.bias.double() if grouped.fc2.bias is not None else torch.zeros(w2.shape[0], w2.shape[2])
+    fc1, fc2 = grouped.linear_fc1, grouped.linear_fc2
+    w1, w2 = fc1.weight.double(), fc2.weight.double()
+    b1 = fc1.bias.double() if fc1.bias is not None else torch.zeros(w1.shape[0], w1.shape[2])
+    b2 = fc2.bias.double() if fc2.bias is not None else torch.zeros(w2.shape[0], w2.shape[2])
     expert_of_row = [e for e, c in enumerate(counts) for _ in range(c)]
     rows = [probs[r].double() * (activation(x[r].double() @ w1[e] + b1[e], grouped.activation_func) @ w2[e] + b2[e])
             for r, e in enumerate(expert_of_row)]
@@ -60,11 +61,11 @@ def run(module, x, counts, probs, grad_out):
 def expert_grads(sequential: SequentialMLP, grouped: GroupedMLP, e: int):
     """Pairs (grouped grad, sequential grad) of expert e, sequential ones transposed to [in, out]."""
     seq = sequential.local_experts[e]
-    pairs = [(grouped.fc1.weight.grad[e], seq.linear_fc1.weight.grad.t()),
-             (grouped.fc2.weight.grad[e], seq.linear_fc2.weight.grad.t())]
-    if grouped.fc1.bias is not None:
-        pairs += [(grouped.fc1.bias.grad[e], seq.linear_fc1.bias.grad),
-                  (grouped.fc2.bias.grad[e], seq.linear_fc2.bias.grad)]
+    pairs = [(grouped.linear_fc1.weight.grad[e], seq.linear_fc1.weight.grad.t()),
+             (grouped.linear_fc2.weight.grad[e], seq.linear_fc2.weight.grad.t())]
+    if grouped.linear_fc1.bias is not None:
+        pairs += [(grouped.linear_fc1.bias.grad[e], seq.linear_fc1.bias.grad),
+                  (grouped.linear_fc2.bias.grad[e], seq.linear_fc2.bias.grad)]
     return pairs
 
 
@@ -107,7 +108,7 @@ def test_padding_row_with_zero_prob_gives_exact_zero(on_output):
     """A drop_and_pad padding row (prob 0) must come out as exactly 0, bias or not: combine only sums."""
     _, grouped = make_pair(2, torch.float32, add_bias_linear=True, moe_apply_probs_on_output=on_output)
     with torch.no_grad():
-        grouped.fc2.bias.normal_()
+        grouped.linear_fc2.bias.normal_()
     out, _ = grouped(torch.randn(4, HIDDEN), torch.tensor([2, 2]), torch.tensor([0.5, 0.0, 0.0, 1.0]))
     assert torch.equal(out[1:3], torch.zeros(2, HIDDEN))
     assert out[0].abs().sum() > 0 and out[3].abs().sum() > 0
@@ -144,10 +145,12 @@ def test_grouped_parameters_and_init():
                          add_bias_linear=True, init_method_std=0.02)
     grouped = GroupedMLP(4, config)
     shapes = {name: tuple(p.shape) for name, p in grouped.named_parameters()}
-    assert shapes == {"fc1.weight": (4, 64, 128), "fc1.bias": (4, 128), "fc2.weight": (4, 64, 64), "fc2.bias": (4, 64)}
-    assert math.isclose(grouped.fc1.weight.std().item(), 0.02, rel_tol=0.05)
-    assert math.isclose(grouped.fc2.weight.std().item(), 0.02 / math.sqrt(16), rel_tol=0.05)  # 1/sqrt(2 * layers)
-    assert torch.equal(grouped.fc1.bias, torch.zeros(4, 128))
+    assert shapes == {"linear_fc1.weight": (4, 64, 128), "linear_fc1.bias": (4, 128), "linear_fc2.weight": (4, 64, 64),
+                      "linear_fc2.bias": (4, 64)}
+    assert math.isclose(grouped.linear_fc1.weight.std().item(), 0.02, rel_tol=0.05)
+    # fc2: 1 / sqrt(2 * layers)
+    assert math.isclose(grouped.linear_fc2.weight.std().item(), 0.02 / math.sqrt(16), rel_tol=0.05)
+    assert torch.equal(grouped.linear_fc1.bias, torch.zeros(4, 128))
     sequential = SequentialMLP(4, config)
     assert math.isclose(sequential.local_experts[0].linear_fc2.weight.std().item(), 0.005, rel_tol=0.1)
 

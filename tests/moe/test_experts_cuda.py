@@ -44,7 +44,7 @@ def test_grouped_matches_sequential_on_cuda(dtype, counts):
     for ours, ref in zip(results[1], results[0], strict=True):
         assert rel_err(ours, ref) <= max_rel
     for e, expert in enumerate(sequential.local_experts):
-        for seq_lin, grp_lin in ((expert.linear_fc1, grouped.fc1), (expert.linear_fc2, grouped.fc2)):
+        for seq_lin, grp_lin in ((expert.linear_fc1, grouped.linear_fc1), (expert.linear_fc2, grouped.linear_fc2)):
             g = grp_lin.weight.grad[e]
             if counts[e] == 0:
                 assert torch.equal(g, torch.zeros_like(g)), "an expert without rows gets an exact-zero gradient"

@@ -31,7 +31,7 @@ def expert_mlp(layer: MoELayer, e: int, x_H: torch.Tensor) -> torch.Tensor:
     """Expert e on one token, read from whichever expert module the layer holds."""
     act = layer.config.activation_func
     if isinstance(layer.experts, GroupedMLP):
-        fc1, fc2 = layer.experts.fc1, layer.experts.fc2
+        fc1, fc2 = layer.experts.linear_fc1, layer.experts.linear_fc2
         h = x_H @ fc1.weight[e] + (fc1.bias[e] if fc1.bias is not None else 0)
         return activation(h, act) @ fc2.weight[e] + (fc2.bias[e] if fc2.bias is not None else 0)
     mlp = layer.experts.local_experts[e]
@@ -105,9 +105,9 @@ def test_expert_without_tokens_gets_exact_zero_grad(grouped):
     for name, p in layer.named_parameters():
         assert p.grad is not None, f"{name} got no grad"
     if grouped:
-        expert0 = [layer.experts.fc1.weight.grad[0], layer.experts.fc2.weight.grad[0],
-                   layer.experts.fc1.bias.grad[0], layer.experts.fc2.bias.grad[0]]
-        assert layer.experts.fc1.weight.grad[1:].abs().sum() > 0
+        expert0 = [layer.experts.linear_fc1.weight.grad[0], layer.experts.linear_fc2.weight.grad[0],
+                   layer.experts.linear_fc1.bias.grad[0], layer.experts.linear_fc2.bias.grad[0]]
+        assert layer.experts.linear_fc1.weight.grad[1:].abs().sum() > 0
     else:
         expert0 = [p.grad for p in layer.experts.local_experts[0].parameters()]
     for g in expert0:
@@ -140,7 +140,7 @@ def test_double_backward_matches_sequential_mlp(kw):
 def expert_weight_grads(layer: MoELayer, e: int) -> list[torch.Tensor]:
     """Expert e's fc1 and fc2 weight gradients as [in, out], from either expert module."""
     if isinstance(layer.experts, GroupedMLP):
-        return [layer.experts.fc1.weight.grad[e], layer.experts.fc2.weight.grad[e]]
+        return [layer.experts.linear_fc1.weight.grad[e], layer.experts.linear_fc2.weight.grad[e]]
     mlp = layer.experts.local_experts[e]
     return [mlp.linear_fc1.weight.grad.t(), mlp.linear_fc2.weight.grad.t()]
 
@@ -184,4 +184,4 @@ def test_rows_reach_the_experts_in_the_autocast_dtype(autocast):
     out.float().sum().backward()
     expected = torch.bfloat16 if autocast else torch.float32
     assert seen == [expected] and out.dtype == expected
-    assert x.grad.dtype == torch.float32 and layer.experts.fc1.weight.grad.dtype == torch.float32
+    assert x.grad.dtype == torch.float32 and layer.experts.linear_fc1.weight.grad.dtype == torch.float32

@@ -118,7 +118,7 @@ def _non_finite_on_rank1(directory: str) -> list[str]:
     state = setup_training(cfg, training, pg)
     if dist.get_rank() == 1:
         with torch.no_grad():
-            weight = state.model.decoder.layers[1].mlp.experts.fc2.weight
+            weight = state.model.decoder.layers[1].mlp.experts.linear_fc2.weight
             (weight.to_local() if isinstance(weight, DTensor) else weight)[-1, 0, 0] = float("nan")
     save = (directory, state.model, state.optimizer, state.scheduler, 1, pg)
     errors = []
@@ -137,7 +137,7 @@ def _non_finite_on_rank1(directory: str) -> list[str]:
 
 def test_a_nan_in_one_ranks_shard_stops_every_rank(tmp_path):
     ranks = run_distributed(2, _non_finite_on_rank1, timeout=120, directory=str(tmp_path))
-    key = "model.decoder.layers.1.mlp.experts.fc2.weight"
+    key = "model.decoder.layers.1.mlp.experts.linear_fc2.weight"
     assert ranks[0] == ranks[1] == [
         f"save_checkpoint: refusing to save step 1: {key} holds NaN or Inf (the previous checkpoint stays the latest)",
         f"load: {key} in {tmp_path / 'step_1'} holds NaN or Inf (save_checkpoint never writes one: the files were "

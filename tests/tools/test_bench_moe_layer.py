@@ -53,7 +53,7 @@ def test_native_layer_without_renormalisation_is_caught():
     layer = _layer(spec, moe_router_pre_softmax=True)
     with pytest.raises(ValueError, match="moe_router_pre_softmax"):
         NativeMoE.from_moe_layer(layer)
-    native = NativeMoE(layer.router.weight, layer.experts.fc1.weight, layer.experts.fc2.weight, spec[4])
+    native = NativeMoE(layer.router.weight, layer.experts.linear_fc1.weight, layer.experts.linear_fc2.weight, spec[4])
     x = torch.randn(spec[0], spec[1], dtype=torch.float64)
     assert not torch.allclose(native(x), layer(x), rtol=1e-3, atol=0)
 

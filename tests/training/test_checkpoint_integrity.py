@@ -110,9 +110,9 @@ def test_non_finite_weights_are_never_saved(tmp_path):
     state = _state()
     _save(tmp_path, state, 1)
     with torch.no_grad():
-        state.model.decoder.layers[1].mlp.experts.fc2.weight[0, 0, 0] = float("inf")
-    with pytest.raises(RuntimeError, match=r"refusing to save step 2: model\.decoder\.layers\.1\.mlp\.experts\.fc2"
-                                           r"\.weight holds NaN or Inf"):
+        state.model.decoder.layers[1].mlp.experts.linear_fc2.weight[0, 0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match=r"refusing to save step 2: model\.decoder\.layers\.1\.mlp\.experts\."
+                                           r"linear_fc2\.weight holds NaN or Inf"):
         _save(tmp_path, state, 2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1"]
     assert (tmp_path / "latest").read_text() == "step_1\n"
@@ -180,7 +180,7 @@ def _save_non_finite(tmp_path, monkeypatch, where: str) -> str:
     check is switched off. Returns the tensor's key."""
     state = _state()
     get_state_dict(state.model, state.optimizer)  # creates AdamW's state (zero moments)
-    weight = state.model.decoder.layers[1].mlp.experts.fc2.weight
+    weight = state.model.decoder.layers[1].mlp.experts.linear_fc2.weight
     with torch.no_grad():
         (weight if where == "model" else state.optimizer.state[weight]["exp_avg"])[0, 0, 0] = float("nan")
     with monkeypatch.context() as patch:
@@ -188,7 +188,7 @@ def _save_non_finite(tmp_path, monkeypatch, where: str) -> str:
         _save(tmp_path, state, 1)
     prefix = "model." if where == "model" else "optim.state."
     suffix = "" if where == "model" else ".exp_avg"
-    return f"{prefix}decoder.layers.1.mlp.experts.fc2.weight{suffix}"
+    return f"{prefix}decoder.layers.1.mlp.experts.linear_fc2.weight{suffix}"
 
 
 @pytest.mark.parametrize("loader", ["load", "finetune", "partial"])
