@@ -7,8 +7,8 @@ Layers (as in tgale96/grouped_gemm): the C++/CUDA kernels in ``csrc/`` compute o
 the same kernels, the forward one with the weight transposed for dgrad and ``grouped_gemm_wgrad`` for wgrad.
 Under autocast with a float32 weight that requires grad, the Autocast kernel (``csrc/autocast.cpp``) computes
 the weight's gradient in float32 with ``grouped_gemm_wgrad_fp32``.
-Fake kernels make the ops traceable by ``torch.compile(fullgraph=True)``. The wgrad ops have their own autograd
-(Python, below), so gradients of gradients (double backward) are exact.
+Fake kernels make the ops traceable by ``torch.compile(fullgraph=True)``. The wgrad ops have their own autograd, in
+C++ too (``csrc/autograd.cpp``), so gradients of gradients (double backward) are exact.
 """
 
 from __future__ import annotations
