@@ -1,6 +1,9 @@
-"""Tokenizers: raw bytes (vocab 256, the default) or a Hugging Face ``tokenizer.json`` via ``tokenizers``."""
+"""Tokenizers: raw bytes (vocab 256, the default) or a Hugging Face ``tokenizer.json`` via ``tokenizers``; and
+a tokenizer directory through transformers (chat templates, Megatron's ``HuggingFaceTokenizer``)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -47,9 +50,30 @@ class HFTokenizer:
         return np.asarray(self._tokenizer.encode(text).ids, dtype=np.int32)
 
 
+def load_pretrained_tokenizer(path: str | Path):
+    """transformers' ``AutoTokenizer`` of a local tokenizer directory (``tokenizer.json``, ``tokenizer_config.json``,
+    the chat template), or of the directory holding ``path`` when it is a ``tokenizer.json``. Nothing is
+    downloaded: ``path`` must exist.
+
+    Raises:
+        ValueError: ``path`` does not exist or transformers cannot load a tokenizer from it; names the path.
+    """
+    from transformers import AutoTokenizer
+
+    directory = Path(path)
+    if directory.is_file():
+        directory = directory.parent
+    if not directory.is_dir():
+        raise ValueError(f"tokenizer: {path}: expected a tokenizer directory or its tokenizer.json, found nothing")
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ... by file kind
+        raise ValueError(f"tokenizer: {directory}: transformers cannot load a tokenizer from it ({e})") from None
+
+
 def build_tokenizer(path: str | None) -> ByteTokenizer | HFTokenizer:
     """``ByteTokenizer`` when ``path`` is None, else ``HFTokenizer(path)``."""
     return ByteTokenizer() if path is None else HFTokenizer(path)
 
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "build_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "build_tokenizer", "load_pretrained_tokenizer"]
