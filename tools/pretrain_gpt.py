@@ -60,7 +60,7 @@ TRAINING_FLAGS = [
     ("--save-interval", "save_interval", int), ("--save-keep", "save_keep", int), ("--load", "load", str),
     ("--exit-interval", "exit_interval", int), ("--max-skipped-steps", "max_skipped_steps", int),
     ("--distributed-timeout-minutes", "distributed_timeout_minutes", float),
-    ("--data-encoding", "data_encoding", str),
+    ("--data-encoding", "data_encoding", str), ("--split", "split", str),
     ("--seed", "seed", int), ("--tokenizer", "tokenizer", str), ("--output-dir", "output_dir", str),
     ("--tensorboard-dir", "tensorboard_dir", str),
 ]
@@ -73,7 +73,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
                         help="YAML with model: and training: sections")
     for flag, field, kind in MODEL_FLAGS + TRAINING_FLAGS:
         parser.add_argument(flag, dest=field, type=kind, default=None)
-    parser.add_argument("--data-path", dest="data_path", nargs="+", default=None, help="text or JSONL files")
+    parser.add_argument("--data-path", dest="data_path", nargs="+", default=None,
+                        help="text or JSONL files; indexed-dataset prefixes, optionally weighted (0.3 a 0.7 b); "
+                             "with --sft, chat JSONL files")
+    for flag, help_text in (("--reset-position-ids", "RoPE positions restart after each EOD token"),
+                            ("--reset-attention-mask", "attention never crosses an EOD token"),
+                            ("--eod-mask-loss", "no loss where the input is an EOD token"),
+                            ("--sft", "fine-tune on chat JSONL: assistant turns only, packed, document-masked")):
+        parser.add_argument(flag, dest=flag[2:].replace("-", "_"), action="store_true", default=None, help=help_text)
     parser.add_argument("--bf16", dest="bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="bf16 on CUDA (default on): autocast, or FSDP2's MixedPrecisionPolicy with "
                              "--use-torch-fsdp2")
@@ -117,7 +124,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TransformerConfig, Traini
     training_overrides.update(data_path=args["data_path"], bf16=args["bf16"], use_torch_fsdp2=args["use_torch_fsdp2"],
                               compile=args["compile"], enable_cuda_graph=args["enable_cuda_graph"],
                               finetune=args["finetune"],
-                              load_partial=args["load_partial"])
+                              load_partial=args["load_partial"],
+                              **{k: args[k] for k in ("reset_position_ids", "reset_attention_mask", "eod_mask_loss",
+                                                      "sft")})
     # A fine-tuned checkpoint fixes the vocabulary (the model's may be padded past the tokenizer's).
     if args["tokenizer"] is not None and not args["finetune"]:
         model_overrides["vocab_size"] = build_tokenizer(args["tokenizer"]).vocab_size

@@ -6,6 +6,7 @@ Legend (docs/design.md): B batch, S sequence, H hidden, Nq query heads, Nkv key/
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from moe_core.config import TransformerConfig
 from moe_core.mlp import init_linear
+from moe_core.models.document_mask import AttentionMask, masked_attention
 from moe_core.models.rope import apply_rope
 from moe_core.recompute import checkpoint
 
@@ -47,6 +49,7 @@ class SelfAttention(nn.Module):
     k projection [Nkv D] before the head split (``"projection"``, OLMoE). Init: normal(0, init_method_std);
     ``linear_proj`` with std / sqrt(2 * num_layers) (Megatron's output_layer_init_method); biases
     (``add_bias_linear``) zero. Selective recompute of ``core_attn`` checkpoints the SDPA call (``moe_core.recompute``).
+    With an ``attention_mask`` (``document_mask.document_causal_mask``) attention stays inside each document.
     """
 
     def __init__(self, config: TransformerConfig):
@@ -69,9 +72,11 @@ class SelfAttention(nn.Module):
             self.q_layernorm = nn.RMSNorm(q_width, eps=config.layernorm_epsilon)
             self.k_layernorm = nn.RMSNorm(k_width, eps=config.layernorm_epsilon)
 
-    def forward(self, hidden_BSH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, hidden_BSH: torch.Tensor, rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: AttentionMask | None = None) -> torch.Tensor:
         """``hidden`` ``[B, S, H]`` and ``rope_cos_sin`` (``cos``, ``sin`` ``[S, D]`` from
-        ``moe_core.models.rope.rope_cos_sin``) -> ``[B, S, H]`` in hidden's dtype."""
+        ``moe_core.models.rope.rope_cos_sin``, or ``[B, 1, S, D]`` from ``rope_at``) -> ``[B, S, H]`` in hidden's
+        dtype. ``attention_mask``: None (causal), or a document mask of ``document_causal_mask``."""
         batch, seq, _ = hidden_BSH.shape
         per_group, dim = self.num_heads // self.num_kv_heads, self.head_dim
         qkv_BSH3 = self.linear_qkv(hidden_BSH)
@@ -88,8 +93,11 @@ class SelfAttention(nn.Module):
         cos, sin = rope_cos_sin
         q_BNSD, k_BNSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BNSD, cos, sin)
         core_attn = _causal_attention if per_group == 1 else _causal_gqa_attention
-        out_BNSD = (checkpoint(core_attn, q_BNSD, k_BNSD, v_BNSD) if self.recompute_core_attn
-                    else core_attn(q_BNSD, k_BNSD, v_BNSD))
+        args = (q_BNSD, k_BNSD, v_BNSD)
+        if attention_mask is not None:
+            core_attn = functools.partial(masked_attention, enable_gqa=per_group > 1)
+            args += (attention_mask,)
+        out_BNSD = checkpoint(core_attn, *args) if self.recompute_core_attn else core_attn(*args)
         return self.linear_proj(out_BNSD.transpose(1, 2).reshape(batch, seq, groups * per_group * dim))
 
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moe_core.config import TransformerConfig
 from moe_core.models.cross_entropy import chunked_cross_entropy
+from moe_core.models.document_mask import document_causal_mask
 from moe_core.models.transformer_block import TransformerBlock
 from moe_core.moe.moe_layer import MoELayer
 from moe_core.parallel.process_groups import ProcessGroupCollection, check_ep_size, check_tp_sizes
@@ -51,13 +52,20 @@ class GPTModel(nn.Module):
             self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
             nn.init.normal_(self.output_layer.weight, mean=0.0, std=config.init_method_std)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the per-token loss when ``labels`` are given.
 
         Args:
             input_ids: ``[B, S]`` int64 (or int32) token ids in ``[0, V)``.
             labels: None, or ``[B, S]`` int64 target ids; a label of -100 gives a loss of exactly 0
                 (``F.cross_entropy``'s ignore_index).
+            position_ids: None (positions ``0..S-1``), or ``[B, S]`` int64 RoPE positions in ``[0, S)``
+                (Megatron's ``--reset-position-ids``: restarting at every document).
+            document_ids: None (causal attention over the whole row), or ``[B, S]`` int64: a token attends only
+                to earlier tokens of the same id (Megatron's ``--reset-attention-mask``;
+                ``document_mask.document_causal_mask``, built once per forward). A row of several documents then
+                gives each document the logits it has alone.
         Returns:
             ``[B, S, V]`` float32 logits when ``labels`` is None, else the per-token cross-entropy ``[B, S]``
             float32 in nats (Megatron's convention: the caller reduces it), a tensor of its own rather than a
@@ -68,12 +76,14 @@ class GPTModel(nn.Module):
             of the TP group returns the same tensor; the gradient reaching it flows back only through the
             rank's own tokens.
         Raises:
-            TypeError: ``input_ids`` is not an int64 / int32 tensor, or ``labels`` not an int64 one.
-            ValueError: ``input_ids`` is not 2-D, ``labels`` has another shape, under TP S is not a multiple
-                of the TP size, or (CPU tensors, outside torch.compile) an id of ``input_ids`` is outside
-                ``[0, V)`` or a label outside ``[0, V)`` and not -100. CUDA ids are not checked here, as that
-                would cost a host sync per forward: an id out of range trips the embedding's or the loss's
-                device-side assert (the trainer checks the tokenizer's ids against V at start-up).
+            TypeError: ``input_ids`` is not an int64 / int32 tensor, or ``labels``, ``position_ids`` or
+                ``document_ids`` not an int64 one.
+            ValueError: ``input_ids`` is not 2-D, ``labels``, ``position_ids`` or ``document_ids`` has another
+                shape, under TP S is not a multiple of the TP size, or (CPU tensors, outside torch.compile) an id
+                of ``input_ids`` is outside ``[0, V)``, a label outside ``[0, V)`` and not -100, or a position
+                outside ``[0, S)``. CUDA ids are not checked here, as that would cost a host sync per forward:
+                an id out of range trips the embedding's or the loss's device-side assert (the trainer checks
+                the tokenizer's ids against V at start-up).
         """
         vocab_size = self.config.vocab_size
         _check_ids("input_ids", input_ids, (torch.int64, torch.int32), vocab_size)
@@ -81,12 +91,18 @@ class GPTModel(nn.Module):
             raise ValueError(f"input_ids: expected [B, S], got shape {tuple(input_ids.shape)}")
         if labels is not None:
             _check_ids("labels", labels, (torch.int64,), vocab_size, ignore_index=-100)
-            if labels.shape != input_ids.shape:
-                raise ValueError(f"labels: expected shape {tuple(input_ids.shape)}, got {tuple(labels.shape)}")
+        if position_ids is not None:
+            _check_ids("position_ids", position_ids, (torch.int64,), input_ids.shape[1], what="positions")
+        if document_ids is not None:
+            _check_ids("document_ids", document_ids, (torch.int64,), None)
+        for name, ids in (("labels", labels), ("position_ids", position_ids), ("document_ids", document_ids)):
+            if ids is not None and ids.shape != input_ids.shape:
+                raise ValueError(f"{name}: expected shape {tuple(input_ids.shape)}, got {tuple(ids.shape)}")
         tp = 1 if self.tp_mesh is None else self.tp_mesh.size()
         if input_ids.shape[1] % tp:
             raise ValueError(f"input_ids: sequence length {input_ids.shape[1]} must be a multiple of the TP size {tp}")
-        hidden_BSH = self.decoder(self.embedding(input_ids))  # under TP: this rank's [B, S / tp, H]
+        mask = None if document_ids is None else document_causal_mask(document_ids)
+        hidden_BSH = self.decoder(self.embedding(input_ids), position_ids, mask)  # under TP: [B, S / tp, H]
         weight = tp_full(self.embedding.weight if self.output_layer is None else self.output_layer.weight)
         if labels is None:
             return self._gather_sequence(F.linear(hidden_BSH, weight).float())
@@ -146,23 +162,24 @@ class GPTModel(nn.Module):
         return float(6 * matmul_params + attention)
 
 
-def _check_ids(name: str, ids: torch.Tensor, dtypes: tuple[torch.dtype, ...], vocab_size: int,
-               ignore_index: int | None = None) -> None:
+def _check_ids(name: str, ids: torch.Tensor, dtypes: tuple[torch.dtype, ...], vocab_size: int | None,
+               ignore_index: int | None = None, what: str = "token ids") -> None:
     """``ids``' dtype, and on the CPU outside compilation (no host sync) that each id is in ``[0, vocab_size)``
-    or ``ignore_index``."""
+    or ``ignore_index`` (``vocab_size`` None: any id; ``what`` names the values, a bound other than the
+    vocabulary's is a sequence length)."""
     if not isinstance(ids, torch.Tensor) or ids.dtype not in dtypes:
         got = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
         raise TypeError(f"{name}: expected a tensor of {' or '.join(map(str, dtypes))}, got {got}")
-    if ids.device.type != "cpu" or torch.compiler.is_compiling():
+    if vocab_size is None or ids.device.type != "cpu" or torch.compiler.is_compiling():
         return
     bad = (ids < 0) | (ids >= vocab_size)
     if ignore_index is not None:
         bad &= ids != ignore_index
     if bad.any():
-        allowed = f"[0, {vocab_size}) (vocab_size {vocab_size})"
+        allowed = f"[0, {vocab_size})" + (f" (vocab_size {vocab_size})" if what == "token ids" else "")
         if ignore_index is not None:
             allowed += f" or {ignore_index}"
-        raise ValueError(f"{name}: expected token ids in {allowed}, got {ids[bad][0].item()}")
+        raise ValueError(f"{name}: expected {what} in {allowed}, got {ids[bad][0].item()}")
 
 
 __all__ = ["GPTModel"]

@@ -22,13 +22,21 @@ def rope_cos_sin(seq_len: int, head_dim: int, base: float, device: torch.device)
     return angles.cos(), angles.sin()
 
 
+def rope_at(cos_SD: torch.Tensor, sin_SD: torch.Tensor, position_ids_BS: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The angles of ``position_ids`` ``[B, S]`` (each in ``[0, S)``, e.g. restarting at every document) from the
+    tables of positions ``0..S-1``: ``cos``, ``sin`` ``[B, 1, S, D]``, which ``apply_rope`` broadcasts over heads."""
+    return cos_SD[position_ids_BS].unsqueeze(1), sin_SD[position_ids_BS].unsqueeze(1)
+
+
 def apply_rope(x_BNSD: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[B, N, S, D]`` by position: ``x * cos + rotate_half(x) * sin``, in float32, returned in
-    x's dtype (bf16 angles would lose the slow frequencies' small steps)."""
+    x's dtype (bf16 angles would lose the slow frequencies' small steps). ``cos`` / ``sin``: ``[S, D]``, or
+    ``[B, 1, S, D]`` per sequence (``rope_at``)."""
     x = x_BNSD.float()
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
     return (x * cos_SD + rotated * sin_SD).to(x_BNSD.dtype)
 
 
-__all__ = ["rope_cos_sin", "apply_rope"]
+__all__ = ["rope_cos_sin", "rope_at", "apply_rope"]

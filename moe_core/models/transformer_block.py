@@ -11,7 +11,8 @@ from torch import nn
 from moe_core.config import TransformerConfig
 from moe_core.mlp import MLP
 from moe_core.models.attention import SelfAttention
-from moe_core.models.rope import rope_cos_sin
+from moe_core.models.document_mask import AttentionMask
+from moe_core.models.rope import rope_at, rope_cos_sin
 from moe_core.moe.moe_layer import MoELayer
 from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.recompute import OutputRecompute, checkpoint, full_recompute_groups, recompute_output
@@ -41,14 +42,17 @@ class TransformerLayer(nn.Module):
         self.recompute_norms = config.recomputes("layernorm")
         self.recompute_outputs = self.recompute_norms or (is_moe and config.recomputes("moe_act"))
 
-    def forward(self, hidden_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, hidden_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: AttentionMask | None = None) -> torch.Tensor:
         if self.recompute_outputs and not torch.compiler.is_compiling():
             with OutputRecompute():
-                return self._forward(hidden_BSH, rope)
-        return self._forward(hidden_BSH, rope)
+                return self._forward(hidden_BSH, rope, attention_mask)
+        return self._forward(hidden_BSH, rope, attention_mask)
 
-    def _forward(self, hidden_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        hidden_BSH = hidden_BSH + self.self_attention(self._norm(self.input_layernorm, hidden_BSH, cast=True), rope)
+    def _forward(self, hidden_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 attention_mask: AttentionMask | None) -> torch.Tensor:
+        normed = self._norm(self.input_layernorm, hidden_BSH, cast=True)
+        hidden_BSH = hidden_BSH + self.self_attention(normed, rope, attention_mask)
         # The router keeps the norm's output at its own precision: cast only for a dense MLP's linear.
         normed = self._norm(self.pre_mlp_layernorm, hidden_BSH, cast=not isinstance(self.mlp, MoELayer))
         return hidden_BSH + (checkpoint(self.mlp, normed) if self.recompute_mlp else self.mlp(normed))
@@ -73,7 +77,8 @@ class TransformerBlock(nn.Module):
     Full recompute (``config.recompute_granularity="full"``) checkpoints runs of layers
     (``recompute.full_recompute_groups``).
     Under sequence parallelism ``hidden`` is this rank's ``[B, S / tp, H]`` and the angles cover all S
-    positions (attention sees the whole sequence).
+    positions (attention sees the whole sequence). ``position_ids`` ``[B, S]`` pick each token's angle (RoPE
+    restarting at every document); ``attention_mask`` goes to every layer's attention.
     """
 
     def __init__(self, config: TransformerConfig, pg_collection: ProcessGroupCollection | None = None):
@@ -87,13 +92,16 @@ class TransformerBlock(nn.Module):
             self.layer_runs = full_recompute_groups(config.num_layers, config.recompute_method,
                                                     config.recompute_num_layers)
 
-    def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_BSH: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: AttentionMask | None = None) -> torch.Tensor:
         seq = hidden_BSH.shape[1] * self.sequence_parallel_size
         rope = rope_cos_sin(seq, self.config.kv_channels, self.config.rotary_base, hidden_BSH.device)
+        if position_ids is not None:
+            rope = rope_at(*rope, position_ids)
         for start, stop, recomputed in self.layer_runs:
             def run(hidden, start=start, stop=stop):
                 for layer in self.layers[start:stop]:
-                    hidden = layer(hidden, rope)
+                    hidden = layer(hidden, rope, attention_mask)
                 return hidden
 
             hidden_BSH = checkpoint(run, hidden_BSH) if recomputed else run(hidden_BSH)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_core.config import INT64_MAX, check_field_types, check_number, load_config_section
+from moe_core.training.blend import parse_split
 
 DECODE_ERRORS = ("strict", "replace", "ignore", "backslashreplace")
 
@@ -71,7 +72,22 @@ class TrainingConfig:
     seed: int = 1234
     """Seed of the initialisation and of every batch (batches are a function of seed and step)."""
     data_path: list[str] | None = None
-    """Text or JSONL files; None: the Python standard library's .py sources."""
+    """Text or JSONL files; or Megatron indexed datasets, as prefixes of ``.bin`` / ``.idx`` files, optionally
+    weighted (``[0.3, a, 0.7, b]`` as strings: a blend); with ``sft``, chat JSONL files; None: the Python standard
+    library's .py sources."""
+    split: str | None = None
+    """Megatron's --split of indexed datasets and SFT data: train, validation, test weights (``"969,30,1"``, the
+    default), cutting each dataset's documents in file order. A text corpus splits by file name instead."""
+    reset_position_ids: bool = False
+    """RoPE positions restart after every EOD token (Megatron's --reset-position-ids; indexed data)."""
+    reset_attention_mask: bool = False
+    """Attention never crosses an EOD token (Megatron's --reset-attention-mask; indexed data)."""
+    eod_mask_loss: bool = False
+    """No loss where the input is an EOD token (Megatron's --eod-mask-loss; indexed data). The loss is then the
+    mean over the tokens that count, over the global batch."""
+    sft: bool = False
+    """Supervised fine-tuning: data_path holds chat JSONL, rendered by the tokenizer's chat template, trained on
+    the assistant turns only and packed with document masks (``moe_core.training.sft``)."""
     data_encoding: str = "utf-8"
     """Codec of the data files, optionally ``codec:errors`` (PYTHONIOENCODING's form) with errors one of
     DECODE_ERRORS; plain ``codec`` decodes strictly: an undecodable byte is an error naming file and line."""
@@ -120,6 +136,10 @@ class TrainingConfig:
         if self.enable_cuda_graph and (not self.compile or self.use_torch_fsdp2):
             raise ValueError(f"enable_cuda_graph: needs compile and no use_torch_fsdp2 (FSDP2 allocates parameters "
                              f"anew every step), got compile={self.compile}, use_torch_fsdp2={self.use_torch_fsdp2}")
+        if self.sft and not self.data_path:
+            raise ValueError("sft: expected chat JSONL files (data_path), got data_path=None")
+        if self.split is not None:
+            parse_split(self.split)
         if self.finetune and not self.load:
             raise ValueError("finetune: expected a checkpoint to take the weights from (load), got load=None")
         self.decode_args()

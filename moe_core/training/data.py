@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from moe_core.config import require_regular_file
+from moe_core.training.batch import Batch, DocumentMasking
 
 _EXCLUDED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 VALID_PERCENT = 5
@@ -131,22 +132,80 @@ def _check_ids(streams: dict[str, np.ndarray], vocab_size: int) -> dict[str, np.
     return streams
 
 
+class TokenWindows:
+    """Random windows of ``seq_length + 1`` tokens from one or more token arrays (in RAM or memory-mapped), each
+    window's array drawn by weight: the batches of a step are a function of ``(seed, step)`` alone, so any rank
+    layout and any resume point sees the same global batch, and each rank reads only its own rows.
+
+    Args:
+        arrays: 1-D integer token arrays, each at least ``seq_length + 1`` long.
+        seq_length: S.
+        weights: the probability of each array (normalised), None: one array, or arrays in proportion to their
+            windows (``len - seq_length``), as one concatenated corpus.
+        names: each array's name for errors (``data_path`` entries).
+        vocab_size: ids are checked to lie in ``[0, vocab_size)`` as they are read (None: not checked).
+        masking: end-of-document masking applied to each batch (``batch.DocumentMasking``), or None.
+    Raises:
+        ValueError: an array is shorter than one window, or the weights are negative or sum to 0.
+    """
+
+    def __init__(self, arrays: list[np.ndarray], seq_length: int, weights: list[float] | None = None,
+                 names: list[str] | None = None, vocab_size: int | None = None,
+                 masking: DocumentMasking | None = None):
+        self.names = names or [f"tokens[{i}]" for i in range(len(arrays))]
+        for name, array in zip(self.names, arrays, strict=True):
+            if len(array) < seq_length + 1:
+                raise ValueError(f"{name}: need at least seq_length + 1 = {seq_length + 1} tokens, got {len(array)}")
+        windows = np.array([len(a) - seq_length for a in arrays], dtype=np.float64)
+        weights = np.asarray(windows if weights is None else weights, dtype=np.float64)
+        if (weights < 0).any() or not weights.sum() > 0:
+            raise ValueError(f"weights: expected non-negative weights with a positive sum, got {weights.tolist()}")
+        self.arrays, self.seq_length, self.weights = arrays, seq_length, weights / weights.sum()
+        self.vocab_size, self.masking = vocab_size, masking
+        self.num_tokens = sum(len(a) for a in arrays)
+
+    def batch(self, batch_size: int, seed: int, step: int, rank: int = 0, world: int = 1) -> Batch:
+        """Rank ``rank``'s rows (``shard_rows``) of the global batch of ``step``: ``batch_size`` windows, as
+        ``input_ids`` / ``labels`` ``[batch_size / world, S]`` int64 (``labels`` the inputs shifted by one).
+
+        Raises:
+            ValueError: ``batch_size`` does not divide by ``world``, or an id read is outside ``[0, vocab_size)``
+                (naming the array and the id's offset in it).
+        """
+        rng = np.random.default_rng([seed, step])
+        which = np.zeros(batch_size, dtype=np.int64)
+        if len(self.arrays) > 1:
+            which = rng.choice(len(self.arrays), size=batch_size, p=self.weights)
+        highs = np.array([len(a) - self.seq_length for a in self.arrays])[which]
+        starts = rng.integers(0, highs, size=batch_size)  # windows of seq_length + 1 tokens
+        mine = shard_rows(np.arange(batch_size), rank, world)
+        windows = np.stack([self._read(which[r], starts[r]) for r in mine]) if len(mine) else np.zeros(
+            (0, self.seq_length + 1), dtype=np.int64)
+        windows = torch.from_numpy(windows)
+        inputs, labels = windows[:, :-1], windows[:, 1:]
+        return Batch(inputs, labels) if self.masking is None else self.masking(inputs, labels)
+
+    def _read(self, index: int, start: int) -> np.ndarray:
+        window = np.asarray(self.arrays[index][start:start + self.seq_length + 1]).astype(np.int64)
+        if self.vocab_size is not None:
+            bad = (window < 0) | (window >= self.vocab_size)
+            if bad.any():
+                offset = start + int(np.argmax(bad))
+                raise ValueError(f"{self.names[index]}: token id {window[bad][0]} at token {offset} is outside the "
+                                 f"model's [0, vocab_size) = [0, {self.vocab_size})")
+        return window
+
+
 def sample_batch(tokens: np.ndarray, batch_size: int, seq_length: int, seed: int, step: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of ``step``: ``batch_size`` random windows, ``(input_ids, labels)`` ``[B, S]`` int64.
+    """The global batch of ``step``: ``batch_size`` random windows, ``(input_ids, labels)`` ``[B, S]`` int64
+    (``TokenWindows`` of one array).
 
-    Drawn from a generator seeded by ``(seed, step)`` alone, so any rank layout and any resume point sees
-    the same global batch; ranks take their rows with ``shard_rows``.
     Raises:
         ValueError: the stream is shorter than one window.
     """
-    if len(tokens) < seq_length + 1:
-        raise ValueError(f"tokens: need at least seq_length + 1 = {seq_length + 1} tokens, got {len(tokens)}")
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - seq_length, size=batch_size)  # windows of seq_length + 1 tokens
-    windows = np.stack([tokens[s:s + seq_length + 1] for s in starts]).astype(np.int64)
-    windows = torch.from_numpy(windows)
-    return windows[:, :-1], windows[:, 1:]
+    inputs, labels, _, _ = TokenWindows([tokens], seq_length, names=["tokens"]).batch(batch_size, seed, step)
+    return inputs, labels
 
 
 def shard_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -161,5 +220,5 @@ def shard_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return batch[rank * per_rank:(rank + 1) * per_rank]
 
 
-__all__ = ["stdlib_sources", "is_validation", "read_text", "read_documents", "build_token_streams", "sample_batch",
-           "shard_rows"]
+__all__ = ["stdlib_sources", "is_validation", "read_text", "read_documents", "build_token_streams", "TokenWindows",
+           "sample_batch", "shard_rows"]

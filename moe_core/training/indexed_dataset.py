@@ -140,10 +140,10 @@ class IndexedDataset:
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize
         return self.tokens[start:start + int(self.sequence_lengths[i])]
 
-    def document_token_offsets(self) -> np.ndarray:
-        """``[d + 1]`` int64: document j is ``tokens[offsets[j]:offsets[j + 1]]``."""
-        ends = np.concatenate([[0], np.cumsum(self.sequence_lengths, dtype=np.int64)])
-        return ends[self.document_indices]
+    def sequence_token_offsets(self) -> np.ndarray:
+        """``[n + 1]`` int64: sequence i is ``tokens[offsets[i]:offsets[i + 1]]`` (document j spans sequences
+        ``document_indices[j]`` to ``document_indices[j + 1]``)."""
+        return np.concatenate([[0], np.cumsum(self.sequence_lengths, dtype=np.int64)])
 
 
 class IndexedDatasetBuilder:
@@ -180,7 +180,8 @@ class IndexedDatasetBuilder:
             lengths = [array.size] if array.size else []
         if sum(lengths) != array.size:
             raise ValueError(f"lengths: expected them to sum to the document's {array.size} ids, got {sum(lengths)}")
-        if array.size and (array.min() < np.iinfo(self.dtype).min or array.max() > np.iinfo(self.dtype).max):
+        limits = np.iinfo(self.dtype) if self.dtype.kind in "iu" else np.finfo(self.dtype)
+        if array.size and (array.min() < limits.min or array.max() > limits.max):
             raise ValueError(f"ids: {self.dtype.name} cannot hold the ids {array.min()}..{array.max()}")
         self._bin.write(array.astype(self.dtype).tobytes(order="C"))
         self.sequence_lengths.extend(lengths)

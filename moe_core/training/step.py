@@ -1,8 +1,8 @@
 """One training step and what it needs: the model, AdamW, the LR schedule and the step's batch arithmetic.
 
 Loss accounting (Megatron's calculate_per_token_loss): each micro-batch contributes
-``sum(per-token loss) / tokens in the global batch``, so the accumulated gradient is the gradient of the
-global batch's mean loss whatever the micro-batch and rank layout.
+``sum(per-token loss) / tokens in the global batch`` (with masked labels, the tokens that count), so the
+accumulated gradient is the gradient of the global batch's mean loss whatever the micro-batch and rank layout.
 
 Non-finite steps (Megatron's skipped iterations): when the global loss or the global gradient norm is NaN or
 infinite, the step leaves the weights, AdamW's moments, the LR schedule and the expert biases as they were and
@@ -37,8 +37,9 @@ from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.ddp import apply_ddp, ddp_keeps_parameters_in_place
 from moe_core.parallel.fsdp import apply_fsdp2, split_expert_params
 from moe_core.parallel.grad_clip import clip_coefficient, get_grad_norm, scale_grads_
-from moe_core.parallel.loss import reduce_loss_for_logging
+from moe_core.parallel.loss import global_token_count, reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
+from moe_core.training.batch import Batch
 from moe_core.training.config import TrainingConfig
 from moe_core.training.memory import check_model_fits
 from moe_core.training.schedule import build_scheduler
@@ -60,6 +61,8 @@ class TrainingState:
             backward, not in every one.
         cuda_graph: the compiled layers replay CUDA graphs (``TrainingConfig.enable_cuda_graph``); each step and
             each evaluation forward starts with ``mark_step_begin``.
+        count_loss_tokens: labels may be masked (``eod_mask_loss``, ``sft``): the loss's denominator is the global
+            batch's count of labels that count (one all-reduce per step) instead of ``tokens_per_step``.
     """
 
     model: torch.nn.Module
@@ -76,6 +79,7 @@ class TrainingState:
     autocast_dtype: torch.dtype | None
     defer_gradient_sync: bool = False
     cuda_graph: bool = False
+    count_loss_tokens: bool = False
 
     def mark_step_begin(self) -> None:
         """Call before a training step and before each evaluation forward: under CUDA graphs, the graphs then
@@ -224,7 +228,7 @@ def setup_training(model_config: TransformerConfig, cfg: TrainingConfig,
         tokens_per_step=cfg.micro_batch_size * num_micro * dp_size * model_config.seq_length,
         max_norm=cfg.clip_grad if cfg.clip_grad > 0 else math.inf,
         autocast_dtype=torch.bfloat16 if _bf16_on(cfg, device) and not fsdp2_casts else None,
-        defer_gradient_sync=ddp, cuda_graph=cfg.enable_cuda_graph,
+        defer_gradient_sync=ddp, cuda_graph=cfg.enable_cuda_graph, count_loss_tokens=cfg.eod_mask_loss or cfg.sft,
     )
 
 
@@ -242,14 +246,16 @@ def _check_cuda_graph(model_config: TransformerConfig, pg_collection: ProcessGro
                          "moe_dispatch_sync_free=False")
 
 
-def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
+def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor,
+               position_ids: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """Forward and backward over this rank's micro-batches, clip, then (unless skipped) AdamW step, LR step
     and expert-bias update.
 
     Args:
         inputs / labels: ``[num_micro_batches * micro_batch_size, S]`` int64, this rank's rows of the
-            global batch (on any device).
+            global batch (on any device); labels ``-100`` where the loss is masked.
+        position_ids / document_ids: None, or the same rows' positions and documents (``GPTModel.forward``).
     Returns:
         ``(loss, grad_norm, skipped)``: the global batch's mean loss and the global gradient norm before
         clipping (0-dim tensors on ``state.device``, equal on all ranks), and whether the step was skipped for
@@ -260,9 +266,12 @@ def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
     model, pg = state.model, state.pg_collection
     state.mark_step_begin()
     step_loss = torch.zeros((), device=state.device)
-    micro_batches = list(zip(inputs.split(state.micro_batch_size), labels.split(state.micro_batch_size),
-                             strict=True))
-    for i, (micro_inputs, micro_labels) in enumerate(micro_batches):
+    batch = Batch(inputs, labels, position_ids, document_ids)
+    num_tokens = state.tokens_per_step  # every rank's tokens
+    if state.count_loss_tokens:
+        num_tokens = global_token_count(batch.num_loss_tokens, None if pg is None else pg.dp, state.device).clamp_min(1)
+    micro_batches = batch.split(state.micro_batch_size)
+    for i, micro_batch in enumerate(micro_batches):
         if state.defer_gradient_sync:
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         # Names the collectives the wrappers issue inside (FSDP2 all-gathers, gradient reductions); the MoE
@@ -270,8 +279,8 @@ def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor
         with named_collective(f"in micro-batch {i}'s forward or backward (FSDP2/DDP parameter all-gather or "
                               "gradient reduction)"):
             with state.autocast():
-                per_token = model(micro_inputs.to(state.device), micro_labels.to(state.device))
-            loss = per_token.sum() / state.tokens_per_step  # tokens_per_step counts every rank's tokens
+                per_token = model(*micro_batch.to(state.device))
+            loss = per_token.sum() / num_tokens
             loss.backward()
         step_loss += loss.detach()
     step_loss = reduce_loss_for_logging(step_loss, None if pg is None else pg.dp)

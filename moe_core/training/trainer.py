@@ -14,6 +14,7 @@ skipped. Weights are never stepped with non-finite gradients and a checkpoint ne
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -30,8 +31,9 @@ from moe_core.parallel.loss import reduce_loss_for_logging
 from moe_core.parallel.process_groups import ProcessGroupCollection
 from moe_core.training.checkpoint import check_save_dir, load_checkpoint, load_model_weights, save_checkpoint
 from moe_core.training.config import TrainingConfig
-from moe_core.training.data import build_token_streams, sample_batch, shard_rows
+from moe_core.training.datasets import build_datasets
 from moe_core.training.fast_path import resolve_fast_path
+from moe_core.training.loader import Prefetcher
 from moe_core.training.metrics import MetricsWriter
 from moe_core.training.step import TrainingState, setup_training, train_step, training_device
 from moe_core.training.tokenizer import build_tokenizer
@@ -57,8 +59,9 @@ class RunSummary:
 
 
 @torch.no_grad()
-def evaluate(state: TrainingState, tokens: torch.Tensor, cfg: TrainingConfig, seq_length: int) -> float:
-    """Mean per-token loss over ``eval_iters`` fixed validation batches of ``micro_batch_size * dp`` sequences.
+def evaluate(state: TrainingState, source, cfg: TrainingConfig) -> float:
+    """Mean per-token loss over ``eval_iters`` fixed validation batches of ``micro_batch_size * dp`` sequences
+    (``source``: a split of ``datasets.build_datasets``), over the tokens whose labels count.
 
     Each DP rank scores its rows of every batch; the sums meet in one all-reduce, so the value is the same
     as one process scoring whole batches.
@@ -66,18 +69,17 @@ def evaluate(state: TrainingState, tokens: torch.Tensor, cfg: TrainingConfig, se
     model, dp_size, dp_rank = state.model, state.dp_size, state.dp_rank
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=state.device)
+    sums = torch.zeros(2, dtype=torch.float64, device=state.device)  # loss, tokens
     for i in range(cfg.eval_iters):
-        inputs, labels = sample_batch(tokens, cfg.micro_batch_size * dp_size, seq_length,
-                                      cfg.seed + _VALID_SEED_OFFSET, i)
-        inputs, labels = shard_rows(inputs, dp_rank, dp_size), shard_rows(labels, dp_rank, dp_size)
+        batch = source.batch(cfg.micro_batch_size * dp_size, cfg.seed + _VALID_SEED_OFFSET, i, dp_rank, dp_size)
         state.mark_step_begin()
         with state.autocast():
-            total += model(inputs.to(state.device), labels.to(state.device)).double().sum()
+            sums[0] += model(*batch.to(state.device)).double().sum()
+        sums[1] += batch.num_loss_tokens.item()
     model.train(was_training)
     group = None if state.pg_collection is None else state.pg_collection.dp
-    total = reduce_loss_for_logging(total, group)
-    return total.item() / (cfg.eval_iters * cfg.micro_batch_size * dp_size * seq_length)
+    total, count = reduce_loss_for_logging(sums, group).tolist()
+    return total / max(count, 1)
 
 
 def expert_load_stats(model: GPTModel) -> dict[str, float]:
@@ -170,7 +172,7 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
     if tokenizer.vocab_size > model_config.vocab_size:
         raise ValueError(f"vocab_size: the tokenizer's ids need {tokenizer.vocab_size} embedding rows (its largest id "
                          f"is {tokenizer.vocab_size - 1}), the model's vocab_size is {model_config.vocab_size}")
-    streams = build_token_streams(cfg.data_path, tokenizer, *cfg.decode_args())
+    data = build_datasets(cfg, tokenizer, model_config.seq_length, model_config.vocab_size)
     state = setup_training(model_config, cfg, pg)
     if pg is not None:
         log(f"parallel: {dist.get_world_size()} ranks ({dist.get_backend()}), TP {pg.tp_size}"
@@ -182,7 +184,7 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
         whole = GPTModel(model_config.single_process())
     log(f"model: {whole.num_parameters() / 1e6:.2f}M parameters, "
         f"{whole.num_parameters(active=True) / 1e6:.2f}M active; "
-        f"corpus: {len(streams['train']):,} train / {len(streams['valid']):,} valid {tokenizer.unit}s")
+        f"corpus: {data['train'].num_tokens:,} train / {data['valid'].num_tokens:,} valid {tokenizer.unit}s")
     start_step = 0
     if cfg.load and cfg.finetune:
         load_model_weights(cfg.load, state.model, pg, model_config=model_config, partial=cfg.load_partial,
@@ -203,21 +205,22 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
     writer = (MetricsWriter(cfg.output_dir, cfg.tensorboard_dir, resume_step=start_step if resumed else None)
               if is_logger else _NoWriter())
     t_start = time.perf_counter()
-    start_valid = evaluate(state, streams["valid"], cfg, seq)
+    start_valid = evaluate(state, data["valid"], cfg)
     writer.log(start_step, {"valid_loss": start_valid})
     log(f"step {start_step}: validation loss {start_valid:.4f}")
 
     train_losses = []
     skipped_steps = 0
     state.model.train()
-    t_log, steps_since_log = time.perf_counter(), 0
+    t_log, steps_since_log, data_wait = time.perf_counter(), 0, 0.0
     bar = tqdm(range(start_step, end_step), desc="pretrain", unit="step", dynamic_ncols=True, mininterval=2.0,
                disable=not is_logger)
+    make = functools.partial(data["train"].batch, global_batch, cfg.seed, rank=state.dp_rank, world=state.dp_size)
+    batches = Prefetcher(make, range(start_step, end_step), state.device)
     for step in bar:
-        inputs, labels = sample_batch(streams["train"], global_batch, seq, cfg.seed, step)
-        inputs, labels = shard_rows(inputs, state.dp_rank, state.dp_size), shard_rows(labels, state.dp_rank,
-                                                                                       state.dp_size)
-        step_loss, grad_norm, skipped = train_step(state, inputs, labels)
+        batch, waited = batches.next()
+        data_wait += waited
+        step_loss, grad_norm, skipped = train_step(state, *batch)
         loss_value = step_loss.item()
         train_losses.append(loss_value)
         steps_since_log += 1
@@ -233,10 +236,13 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
                     "last checkpoint holds finite weights)"
                 )
         if done % cfg.log_interval == 0 or done == end_step:
-            tokens_per_second = steps_since_log * state.tokens_per_step / (time.perf_counter() - t_log)
+            elapsed = time.perf_counter() - t_log
+            tokens_per_second = steps_since_log * state.tokens_per_step / elapsed
             # "lr": the rate the next step will use (what Megatron logs), min_lr after the last step.
             metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": state.scheduler.get_last_lr()[0],
                        "tokens_per_second": tokens_per_second, "skipped_steps": skipped_steps,
+                       # Time the step waited for its batch (Prefetcher), per step and as a share of the time.
+                       "data_wait_ms": 1e3 * data_wait / steps_since_log, "data_wait_fraction": data_wait / elapsed,
                        **router_losses(state.model, None if pg is None else pg.tp),
                        **expert_load_stats(state.model)}
             if pg is not None and pg.ep_size > 1:
@@ -252,16 +258,17 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
                 metrics["peak_memory_gib"] = peak_memory_gib(state.device, pg)
             writer.log(done, metrics)
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_second:,.0f}")
-            t_log, steps_since_log = time.perf_counter(), 0
+            t_log, steps_since_log, data_wait = time.perf_counter(), 0, 0.0
         t_pause = time.perf_counter()
         if cfg.eval_interval and done % cfg.eval_interval == 0 and done != end_step:
-            writer.log(done, {"valid_loss": evaluate(state, streams["valid"], cfg, seq)})
+            writer.log(done, {"valid_loss": evaluate(state, data["valid"], cfg)})
         if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != end_step:
             save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, done, pg, seed=cfg.seed,
                             model_config=model_config, keep=cfg.save_keep)
         t_log += time.perf_counter() - t_pause  # tokens/s counts training time only
     bar.close()
-    end_valid = evaluate(state, streams["valid"], cfg, seq)
+    batches.close()
+    end_valid = evaluate(state, data["valid"], cfg)
     writer.log(end_step, {"valid_loss": end_valid})
     if cfg.save:
         save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, end_step, pg, seed=cfg.seed,

@@ -55,7 +55,7 @@ def test_files_are_byte_identical_both_ways(tmp_path, vocab):
     np.testing.assert_array_equal(ours.document_indices, theirs.document_indices)
     for i in range(len(theirs)):
         np.testing.assert_array_equal(ours[i], theirs[i])
-    offsets = ours.document_token_offsets()
+    offsets = ours.sequence_token_offsets()[ours.document_indices]
     for j, sentences in enumerate(docs):
         expected = np.concatenate(sentences) if sentences else np.zeros(0)
         np.testing.assert_array_equal(ours.tokens[offsets[j]:offsets[j + 1]], expected)
