@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 from moe_core.config import TransformerConfig
 from moe_core.models import document_mask
@@ -100,6 +101,33 @@ def test_flex_block_mask_and_sdpa_boolean_mask_agree(groups):
     for b in range(3):
         expected = (j <= i) & (document_ids[b, :, None] == document_ids[b, None, :])
         assert torch.equal(dense[b, 0], expected)
+
+
+@pytest.mark.parametrize("seq", [256, 200])
+def test_block_mask_skips_the_blocks_create_block_mask_skips(seq):
+    """The block structure from id ranges is ``create_block_mask``'s (which evaluates every point); a sequence that
+    is not a multiple of the block size keeps its last blocks partial. Unsorted ids stay exact: the mask_mod
+    decides inside the blocks their ranges admit."""
+    gen = torch.Generator().manual_seed(seq)
+    ends = torch.zeros(2, seq, dtype=torch.int64)
+    ends[0, [40, 130, 131, 190]] = 1
+    ends[1, torch.randint(1, seq, (6,), generator=gen)] = 1
+    sorted_ids = ends.cumsum(1)
+    ours = document_causal_mask(sorted_ids, flex=True)
+    reference = create_block_mask(lambda b, h, q, k: (k <= q) & (sorted_ids[b, q] == sorted_ids[b, k]), 2, None,
+                                  seq, seq, device="cpu")
+    if seq % 128 == 0:
+        for name in ("kv_num_blocks", "full_kv_num_blocks"):
+            assert torch.equal(getattr(ours, name), getattr(reference, name)), name
+        assert torch.equal(ours.to_dense(), reference.to_dense())
+    shuffled = torch.randint(0, 3, (2, seq), generator=gen)
+    q, k, v = (torch.randn(2, 2, seq, 8, dtype=torch.float64, generator=gen) for _ in range(3))
+    for ids in (sorted_ids, shuffled):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flex_out = masked_attention(q, k, v, document_causal_mask(ids, flex=True))
+        torch.testing.assert_close(flex_out, masked_attention(q, k, v, document_causal_mask(ids, flex=False)),
+                                   rtol=1e-12, atol=1e-12)
 
 
 def test_one_document_is_plain_causal_attention():
