@@ -52,7 +52,8 @@ class TransformerLayer(nn.Module):
     def _forward(self, hidden_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  attention_mask: AttentionMask | None) -> torch.Tensor:
         normed = self._norm(self.input_layernorm, hidden_BSH, cast=True)
-        hidden_BSH = hidden_BSH + self.self_attention(normed, rope, attention_mask)
+        # A keyword: tensor parallelism's input plan lays out the positional inputs (hidden, rope) only.
+        hidden_BSH = hidden_BSH + self.self_attention(normed, rope, attention_mask=attention_mask)
         # The router keeps the norm's output at its own precision: cast only for a dense MLP's linear.
         normed = self._norm(self.pre_mlp_layernorm, hidden_BSH, cast=not isinstance(self.mlp, MoELayer))
         return hidden_BSH + (checkpoint(self.mlp, normed) if self.recompute_mlp else self.mlp(normed))
