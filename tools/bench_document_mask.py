@@ -8,7 +8,8 @@ synthetic indexed dataset with plain causal attention, then with Megatron's docu
 The dataset: documents of exponentially distributed lengths (mean ``--document-tokens``), random ids below the
 vocabulary's last, each ending with the last id as its EOD token, written with ``IndexedDatasetBuilder`` to a
 temporary directory and read back memory-mapped. Both rows run the trainer's own path: ``data.TokenWindows``
-over the memory map (the same seed, so the same windows), the ``loader.Prefetcher`` thread, ``step.train_step``; the
+over the memory map (the same seed, so the same windows), the ``loader.Prefetcher`` thread, the trainer's default
+execution path (``fast_path``: CUDA graphs for compiled layers on one GPU), ``step.train_step``; the
 ``document`` row adds ``--reset-attention-mask --reset-position-ids --eod-mask-loss`` (FlexAttention block masks on
 CUDA). Per row: ``--warmup`` steps (compilation), then ``--steps`` steps timed with CUDA events (median, 10-90
 percentile spread), tokens/s, the time each timed step waited for its batch (mean ms, and its share of the median
@@ -36,6 +37,7 @@ from moe_core import TransformerConfig  # noqa: E402
 from moe_core.training.batch import DocumentMasking  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.data import TokenWindows  # noqa: E402
+from moe_core.training.fast_path import resolve_fast_path  # noqa: E402
 from moe_core.training.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, optimal_dtype  # noqa: E402
 from moe_core.training.loader import Prefetcher  # noqa: E402
 from moe_core.training.step import setup_training, train_step, training_device  # noqa: E402
@@ -63,6 +65,7 @@ def bench_row(model_config: TransformerConfig, training: TrainingConfig, prefix:
     device = training_device(None)
     windows = TokenWindows([IndexedDataset(prefix).tokens], model_config.seq_length, names=[str(prefix)],
                            vocab_size=model_config.vocab_size, masking=masking)
+    model_config, training, _ = resolve_fast_path(model_config, training, None, device)
     state = setup_training(model_config, training)
     global_batch = state.tokens_per_step // model_config.seq_length
     total = args.warmup + args.steps + 1
@@ -79,7 +82,7 @@ def bench_row(model_config: TransformerConfig, training: TrainingConfig, prefix:
     timed_waits = waits[-args.steps:]
     batches.close()
     wait_ms = 1e3 * sum(timed_waits) / len(timed_waits)
-    row.update(first_loss=first_loss, tokens_per_step=state.tokens_per_step,
+    row.update(first_loss=first_loss, tokens_per_step=state.tokens_per_step, cuda_graph=training.enable_cuda_graph,
                tokens_per_s=state.tokens_per_step / (row["median_ms"] / 1e3), data_wait_ms=wait_ms,
                data_wait_fraction=wait_ms / row["median_ms"])
     return row
@@ -92,7 +95,8 @@ def run(args) -> list[dict]:
         training = TrainingConfig(micro_batch_size=2, compile=False)
     else:
         model_config, training = TransformerConfig.from_yaml(args.config), TrainingConfig.from_yaml(args.config)
-        training = dataclasses.replace(training, compile=not args.no_compile)
+        training = dataclasses.replace(training, compile=not args.no_compile,
+                                       enable_cuda_graph=False if args.no_cuda_graph else None)
     tokens = 4 * (args.warmup + args.steps + 1) * training.micro_batch_size * (model_config.seq_length + 1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, single_thread(args.smoke):
@@ -133,6 +137,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="timed steps (default 20; --smoke 2)")
     parser.add_argument("--warmup", type=int, help="untimed steps first, compilation included (default 5; --smoke 1)")
     parser.add_argument("--no-compile", action="store_true", help="eager layers (the YAML's compile otherwise)")
+    parser.add_argument("--no-cuda-graph", action="store_true", help="compiled layers without CUDA graphs")
     parser.add_argument("--smoke", action="store_true", help="a tiny built-in model instead of --config")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)

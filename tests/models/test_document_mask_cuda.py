@@ -1,14 +1,15 @@
 """Document masking on CUDA: compiled FlexAttention block masks give SDPA's boolean-mask results, forward and
-backward, eagerly and inside compiled layers without recompiling for new documents."""
+backward, eagerly and inside compiled layers (also replayed as CUDA graphs) without recompiling for new documents."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from moe_core.config import TransformerConfig
 from moe_core.models import document_mask
-from moe_core.models.document_mask import BlockMask, document_causal_mask
+from moe_core.models.document_mask import document_causal_mask
 from moe_core.models.gpt import GPTModel
 from moe_core.training.batch import DocumentMasking
 from moe_core.training.config import TrainingConfig
@@ -46,10 +47,11 @@ def test_flex_block_mask_matches_sdpa_boolean_mask(monkeypatch):
         torch.testing.assert_close(flex_logits[0, 100:103], model(ids[:1, 100:103])[0], rtol=1e-4, atol=1e-4)
 
 
-def test_compiled_layers_take_block_masks_without_recompiling():
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["compiled", "cuda-graphs"])
+def test_compiled_layers_take_block_masks_without_recompiling(cuda_graph):
     torch._dynamo.reset()
     state = setup_training(CONFIG, TrainingConfig(micro_batch_size=2, global_batch_size=4, compile=True, bf16=True,
-                                                  eod_mask_loss=True))
+                                                  eod_mask_loss=True, enable_cuda_graph=cuda_graph))
     masking = DocumentMasking(eod=7, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
     gen = torch.Generator().manual_seed(0)
     for step in range(4):
