@@ -32,7 +32,7 @@ own ``micro_batch_size`` sequences, the experts split), then with ``ep`` = 1, th
 GPU at once, no communication (the one-GPU baseline). ``tokens_per_s`` is per GPU (a rank's tokens per step over
 the slowest rank's median step); ``vs_one_gpu`` is the EP row's over the baseline's; peak memory is the largest
 rank's; losses are rank 0's (the EP step's loss is the global batch's). ``ep_load_imbalance``: the last step's
-rows on the busiest EP rank over the mean (``moe_core.training.trainer.ep_load_imbalance``), 1.0 when balanced.
+rows on the busiest EP rank over the mean (``moe_core.moe.metrics.ep_load_imbalance``), 1.0 when balanced.
 """
 
 from __future__ import annotations
@@ -71,11 +71,12 @@ from moe_core import TransformerConfig  # noqa: E402
 from moe_core.config import RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, RECOMPUTE_MODULES  # noqa: E402
 from moe_core.models.flops import megatron_flops_per_token  # noqa: E402
 from moe_core.models.gpt import GPTModel  # noqa: E402
+from moe_core.moe.metrics import routing_report  # noqa: E402
 from moe_core.parallel.launch import destroy_distributed, init_distributed  # noqa: E402
 from moe_core.training.config import TrainingConfig  # noqa: E402
 from moe_core.training.fast_path import resolve_fast_path  # noqa: E402
 from moe_core.training.step import build_model, setup_training, train_step, training_device  # noqa: E402
-from moe_core.training.trainer import ep_load_imbalance, mfu  # noqa: E402
+from moe_core.training.trainer import mfu  # noqa: E402
 
 CONFIGS = [str(Path(__file__).resolve().parents[1] / "configs" / name) for name in ("gpu_a.yaml", "gpu_b.yaml")]
 PROVIDERS = ("moe_core", "moe_core_compiled", "native", "native_compiled")
@@ -165,7 +166,7 @@ def bench_provider(provider: str, model_config: TransformerConfig, training: Tra
     row = timed(step, args.steps, max(args.warmup - 1, 0), device)
     last_loss = step().item()
     if pg is not None and pg.ep_size > 1:  # the last step's loads
-        row["ep_load_imbalance"] = ep_load_imbalance(model, pg)
+        row["ep_load_imbalance"] = routing_report(model.moe_layers(), pg).ep_load_imbalance
     peak_gib = (torch.cuda.max_memory_allocated(device) - before) / 2**30 if device.type == "cuda" else None
     if dist.is_initialized():  # the slowest rank's step, the largest rank's memory
         row["median_ms"], peak = slowest_rank([row["median_ms"], peak_gib or 0.0], device)

@@ -122,7 +122,7 @@ class GPTModel(nn.Module):
         return DTensor.from_local(local_BS, self.tp_mesh, [Shard(1)], run_check=False).full_tensor()
 
     def moe_layers(self) -> list[MoELayer]:
-        """The MoE layers in depth order (``.router`` holds aux losses, loads, expert bias, ``aux_loss_scale``)."""
+        """The MoE layers in depth order (``.router`` holds expert bias, ``aux_loss_scale`` and the routing record)."""
         return [m for m in self.modules() if isinstance(m, MoELayer)]
 
     def num_parameters(self, active: bool = False) -> int:

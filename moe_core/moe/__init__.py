@@ -1,6 +1,6 @@
 """Mixture-of-experts layer: router.py (TopKRouter), token_dispatcher*.py and alltoall_*.py (dispatch/combine),
 dispatcher_factory.py (build_token_dispatcher), experts.py (GroupedMLP, SequentialMLP), shared_experts.py,
-moe_layer.py (MoELayer); data flow in docs/design.md."""
+moe_layer.py (MoELayer), metrics.py (routing metrics); data flow in docs/design.md."""
 
 from moe_core.moe.dispatcher_factory import build_token_dispatcher
 from moe_core.moe.experts import GroupedMLP, SequentialMLP

@@ -25,7 +25,9 @@ from moe_core.moe.load_balancing import (
     switch_load_balancing_loss,
     z_loss,
 )
+from moe_core.moe.metrics import RoutingRecorder
 from moe_core.ops.router_gating import router_gating_linear
+from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.tp_weights import tp_full
 from moe_core.recompute import is_recomputing
 
@@ -97,8 +99,8 @@ class TopKRouter(nn.Module):
 
     Args:
         config: ``TransformerConfig`` with ``num_moe_experts`` set.
-        tp_dp_group: process group over which ``global_aux_loss`` sums its token counts (the ranks that see
-            different tokens); None counts this process's tokens only. Every rank of it must run the same
+        tp_dp_group: process group over which ``global_aux_loss`` and ``finish_step`` sum their token counts (the
+            ranks that see different tokens); None counts this process's tokens only. Every rank of it must run the same
             number of training forwards.
         tp_group: the TP group whose ranks hold the other slices of this rank's sequences; None: no TP.
 
@@ -109,17 +111,12 @@ class TopKRouter(nn.Module):
             sigmoid scores; with softmax it is added to what top-k ranks (the logits, or the pre-softmax probs).
         local_tokens_per_expert: ``[E]`` float32 buffer, rows routed per expert (after dropping) by the
             forwards in training mode with gradients enabled since the last ``update_expert_bias()``. It counts
-            this process's tokens only:
-            under data parallelism all-reduce it (sum) over the data-parallel group before that call.
+            this process's tokens only: ``finish_step`` sums it over ``tp_dp_group`` before the update.
         aux_loss_scale: float, the gradient each loss receives in backward (times its coefficient), read
             by each forward; the trainer sets it before the forward to the factor its main loss carries
             (e.g. 1 / (micro-batches * DP size)).
-        aux_losses: ``dict[str, Tensor]``, after each forward the detached raw scalar losses of that forward,
-            without their coefficients (1.0 is perfect balance), keyed ``aux_loss``, ``seq_aux_loss``,
-            ``global_aux_loss``, ``z_loss``; only the losses computed by that forward are present.
-        tokens_per_expert: ``[E]`` float32, detached rows per expert (after dropping) of the last forward.
-            It and ``aux_losses`` are outputs of the forward: under CUDA graphs
-            (``TrainingConfig.enable_cuda_graph``) they hold until the next training step or evaluation.
+        recorder: ``moe.metrics.RoutingRecorder``, the rows per expert (after dropping) and the raw losses of the
+            last forward in training mode with gradients enabled (``moe.metrics.routing_report`` reads it).
     Raises:
         ValueError: ``config.num_moe_experts`` is None.
     """
@@ -148,8 +145,8 @@ class TopKRouter(nn.Module):
         self.register_buffer("global_tokens_per_expert", zeros.clone(), persistent=False)
         self.register_buffer("global_num_tokens", torch.zeros((), dtype=torch.float32), persistent=False)
         self.aux_loss_scale = 1.0
-        self.aux_losses: dict[str, torch.Tensor] = {}
-        self.tokens_per_expert = zeros.clone()
+        z_losses = ["z_loss"] if config.moe_z_loss_coeff else []
+        self.recorder = RoutingRecorder(self.num_experts, [*self.aux_loss_coeffs, *z_losses])
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -199,12 +196,13 @@ class TopKRouter(nn.Module):
             losses.update(balancing)
             total = sum(self.aux_loss_coeffs[kind] * loss for kind, loss in balancing.items())
             probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, total, self.aux_loss_scale)
-        self.aux_losses = {kind: loss.detach() for kind, loss in losses.items()}
-        with torch.no_grad():
-            # Padding slots of drop_and_pad are not routed rows: count kept routed rows only.
-            self.tokens_per_expert = (routed_TE & routing_map_TE).sum(dim=0).float()
-            if with_losses and not is_recomputing():  # a forward run again in backward counts once
-                self.local_tokens_per_expert += self.tokens_per_expert
+        if with_losses:
+            with torch.no_grad():
+                # Padding slots of drop_and_pad are not routed rows: count kept routed rows only.
+                tokens_per_expert_E = (routed_TE & routing_map_TE).sum(dim=0).float()
+                self.recorder.record(tokens_per_expert_E, losses)
+                if not is_recomputing():  # a forward run again in backward counts once
+                    self.local_tokens_per_expert += tokens_per_expert_E
         return probs_TE.float(), routing_map_TE
 
     def _logits(self, hidden_TH: torch.Tensor) -> torch.Tensor:
@@ -296,6 +294,23 @@ class TopKRouter(nn.Module):
         """Start a new global batch for ``global_aux_loss``; call after each optimizer step (as Megatron does)."""
         self.global_tokens_per_expert.zero_()
         self.global_num_tokens.zero_()
+
+    @torch.no_grad()
+    def finish_step(self, skipped: bool) -> None:
+        """Call after each optimizer step: the expert-bias update on the global batch's loads, then a new global
+        batch for ``global_aux_loss``. ``skipped``: the step did not count (``training.step``'s non-finite steps),
+        so its loads are dropped and the bias stays.
+
+        Collective over ``tp_dp_group`` unless ``skipped`` (one all-reduce), so every rank's bias stays equal.
+        """
+        if skipped:
+            self.local_tokens_per_expert.zero_()
+        else:
+            if self.tp_dp_group is not None:
+                with named_collective("all_reduce (tokens per expert)", self.tp_dp_group):
+                    dist.all_reduce(self.local_tokens_per_expert, group=self.tp_dp_group)
+            self.update_expert_bias()
+        self.reset_global_aux_loss_tracker()
 
     @torch.no_grad()
     def update_expert_bias(self) -> None:

@@ -1,9 +1,11 @@
-"""Run metrics: one JSON line per log step, TensorBoard scalars, and a loss-curve PNG at the end."""
+"""Run metrics: one JSON line per log step, TensorBoard scalars and histograms, and a loss-curve PNG at the end."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import numpy as np
 
 
 class MetricsWriter:
@@ -34,20 +36,32 @@ class MetricsWriter:
         for row in kept:
             self._record(row.pop("step"), row, tensorboard=False)
 
-    def log(self, step: int, values: dict[str, float]) -> None:
-        """Record ``values`` at ``step``; keys ``loss`` and ``valid_loss`` also feed the PNG."""
+    def log(self, step: int, values: dict) -> None:
+        """Record ``values`` at ``step``; keys ``loss`` and ``valid_loss`` also feed the PNG.
+
+        A value is a number (a TensorBoard scalar), a list of numbers (a TensorBoard histogram) or a dict of such
+        values (TensorBoard names ``key/subkey``); the JSON line holds them as given.
+        """
         self._record(step, values, tensorboard=True)
 
     def _record(self, step: int, values: dict[str, float], tensorboard: bool) -> None:
         self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self._jsonl.flush()
         if tensorboard:
-            for key, value in values.items():
-                self._tb.add_scalar(key, value, step)
+            self._write_tensorboard(step, values)
         if "loss" in values:
             self._train.append((step, values["loss"]))
         if "valid_loss" in values:
             self._valid.append((step, values["valid_loss"]))
+
+    def _write_tensorboard(self, step: int, values: dict, prefix: str = "") -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                self._write_tensorboard(step, value, f"{prefix}{key}/")
+            elif isinstance(value, list):
+                self._tb.add_histogram(prefix + key, np.asarray(value, dtype=np.float64), step)
+            else:
+                self._tb.add_scalar(prefix + key, value, step)
 
     def close(self, title: str) -> Path:
         """Flush, draw the loss curves and return the PNG's path."""

@@ -84,8 +84,7 @@ class TrainingState:
     def mark_step_begin(self) -> None:
         """Call before a training step and before each evaluation forward: under CUDA graphs, the graphs then
         replay over the memory of the outputs before (``torch.compiler.cudagraph_mark_step_begin``). The trainer
-        is done with those by then; a graph output a module keeps (a router's ``tokens_per_expert`` and
-        ``aux_losses``) holds the last forward's values only until the next step or evaluation."""
+        is done with those by then; what a module keeps lives in its buffers (the routers' records)."""
         if self.cuda_graph:
             torch.compiler.cudagraph_mark_step_begin()
 
@@ -289,16 +288,7 @@ def train_step(state: TrainingState, inputs: torch.Tensor, labels: torch.Tensor,
         state.scheduler.step()
     state.optimizer.zero_grad(set_to_none=True)
     for layer in model.moe_layers():
-        if skipped:
-            layer.router.local_tokens_per_expert.zero_()  # the loads of a step that does not count
-        else:
-            if pg is not None:
-                # Expert-bias updates must see the global batch's loads (every DP and TP rank's tokens) so the
-                # bias stays equal on all ranks.
-                with named_collective("all_reduce (tokens per expert)", pg.tp_dp):
-                    dist.all_reduce(layer.router.local_tokens_per_expert, group=pg.tp_dp)
-            layer.router.update_expert_bias()
-        layer.router.reset_global_aux_loss_tracker()
+        layer.router.finish_step(skipped)
     return step_loss, grad_norm, skipped
 
 

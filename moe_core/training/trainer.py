@@ -14,9 +14,11 @@ skipped. Weights are never stepped with non-finite gradients and a checkpoint ne
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,6 +27,7 @@ from tqdm import tqdm
 from moe_core.config import TransformerConfig
 from moe_core.models.flops import megatron_flops_per_token
 from moe_core.models.gpt import GPTModel
+from moe_core.moe.metrics import routing_report
 from moe_core.parallel.collective_errors import named_collective
 from moe_core.parallel.launch import check_ranks_agree
 from moe_core.parallel.loss import reduce_loss_for_logging
@@ -82,55 +85,6 @@ def evaluate(state: TrainingState, source, cfg: TrainingConfig) -> float:
     return total / max(count, 1)
 
 
-def expert_load_stats(model: GPTModel) -> dict[str, float]:
-    """Min and max rows per expert over all MoE layers' last forward, and the mean coefficient of variation."""
-    loads = [layer.router.tokens_per_expert.float() for layer in model.moe_layers()]
-    if not loads:
-        return {}
-    load_LE = torch.stack(loads)
-    cv = (load_LE.std(dim=1, unbiased=False) / load_LE.mean(dim=1).clamp_min(1e-9)).mean()
-    return {"expert_load_min": load_LE.min().item(), "expert_load_max": load_LE.max().item(),
-            "expert_load_cv": cv.item()}
-
-
-def ep_load_imbalance(model: GPTModel, pg_collection: ProcessGroupCollection) -> float:
-    """Rows the busiest EP rank's experts received in the last forward over the EP ranks' mean, averaged over MoE
-    layers: 1.0 when balanced. Every all-to-all waits for the busiest rank, so the experts' share of an EP step
-    takes about this factor longer than balanced loads would.
-
-    A rank's rows are its local experts' ``tokens_per_expert`` summed over the EP group's tokens (and the ETP
-    group's, whose tokens every ETP rank runs): the ranks at this rank's TP position. Collective over the EP
-    group (and the ETP group at ETP > 1): one all-reduce each.
-    """
-    layers = model.moe_layers()
-    if not layers:
-        return 1.0
-    loads = torch.stack([layer.router.tokens_per_expert.float() for layer in layers])  # [MoE layers, E]
-    for group in (pg_collection.ep, pg_collection.expt_tp):
-        if group is not None:
-            with named_collective("all_reduce (EP load imbalance)", group):
-                dist.all_reduce(loads, group=group)
-    rows = loads.view(len(layers), pg_collection.ep_size, -1).sum(dim=2)  # [MoE layers, EP ranks]
-    return (rows.max(dim=1).values / rows.mean(dim=1).clamp_min(1e-9)).mean().item()
-
-
-def router_losses(model: GPTModel, tp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Each aux / z loss of the last forward, summed over MoE layers (raw values without their coefficients;
-    a balanced router's aux_loss is 1.0 per layer). Under TP each rank holds its share of each loss: pass the
-    TP group to sum them (one all-reduce; collective over the group)."""
-    totals: dict[str, torch.Tensor] = {}
-    for layer in model.moe_layers():
-        for key, value in layer.router.aux_losses.items():
-            totals[key] = totals.get(key, 0.0) + value.float()
-    if not totals:
-        return {}
-    stacked = torch.stack(list(totals.values()))
-    if tp_group is not None:
-        with named_collective("all_reduce (router losses)", tp_group):
-            dist.all_reduce(stacked, group=tp_group)
-    return dict(zip(totals, stacked.tolist(), strict=True))
-
-
 def peak_memory_gib(device: torch.device, pg_collection: ProcessGroupCollection | None) -> float:
     """The most CUDA memory any rank has allocated since start-up (``torch.cuda.max_memory_allocated``), GiB;
     collective over all ranks (one all-reduce)."""
@@ -150,6 +104,39 @@ def mfu(flops_per_token: float, tokens_per_second: float, device: torch.device) 
     return None if peak is None else flops_per_token * tokens_per_second / (peak * 1e12)
 
 
+@dataclass
+class _Run:
+    """What the steps of ``pretrain`` share."""
+
+    model_config: TransformerConfig
+    cfg: TrainingConfig
+    pg: ProcessGroupCollection | None
+    log: Callable[..., None]
+    state: TrainingState
+    data: dict
+    unit: str  # the tokenizer's unit: "token" or "byte"
+    whole: GPTModel  # the whole model (every EP rank's experts) on the meta device, for FLOP counts
+    start_step: int
+    end_step: int
+    writer: MetricsWriter | _NoWriter
+    is_logger: bool
+
+
+@dataclass
+class _LogWindow:
+    """The training time, steps and data wait since the last log row; ``paused()`` leaves time out."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    data_wait: float = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        t_pause = time.perf_counter()
+        yield
+        self.start += time.perf_counter() - t_pause  # tokens/s counts training time only
+
+
 def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
              pg_collection: ProcessGroupCollection | None = None) -> RunSummary:
     """Train a ``GPTModel`` on ``cfg``'s corpus and return the run's summary; see the module docstring.
@@ -157,7 +144,24 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
     ``pg_collection``: the ranks' groups (``moe_core.parallel.launch.init_distributed``), None for one process;
     every rank must pass equal configs (``check_ranks_agree`` raises naming the fields that differ).
     """
-    pg = pg_collection
+    run = _set_up(model_config, cfg, log, pg_collection)
+    t_start = time.perf_counter()
+    start_valid = _validate(run, run.start_step)
+    run.log(f"step {run.start_step}: validation loss {start_valid:.4f}")
+    train_losses = _train(run)
+    end_valid = _validate(run, run.end_step)
+    if run.cfg.save:
+        _save(run, run.end_step)
+    png = run.writer.close(f"{run.model_config.num_layers} layers, hidden {run.model_config.hidden_size}")
+    seconds = time.perf_counter() - t_start
+    run.log(f"validation loss: start {start_valid:.3f}, end {end_valid:.3f} nats per {run.unit}")
+    run.log(f"steps {run.start_step}..{run.end_step} of {cfg.train_iters} in {seconds:.0f} s; metrics and "
+            f"{png and png.name} in {cfg.output_dir}")
+    return RunSummary(start_valid, end_valid, train_losses, seconds)
+
+
+def _set_up(model_config: TransformerConfig, cfg: TrainingConfig, log, pg: ProcessGroupCollection | None) -> _Run:
+    """Check the configs, build the data, the model and its optimizer, load a checkpoint and open the writer."""
     if pg is not None:
         check_ranks_agree(model=model_config, training=cfg)
     is_logger = pg is None or dist.get_rank() == 0
@@ -179,12 +183,25 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
             f"{' (SP)' if pg.tp_size > 1 else ''}, DP {pg.dp_size}, "
             f"EP {pg.ep_size}, ETP {pg.expt_tp_size}, expert-DP {pg.expt_dp_size}, "
             f"{'FSDP2' if cfg.use_torch_fsdp2 else 'DDP'}")
-    # Parameter and FLOP counts of the whole model (every EP rank's experts), from a weightless copy.
     with torch.device("meta"):
         whole = GPTModel(model_config.single_process())
     log(f"model: {whole.num_parameters() / 1e6:.2f}M parameters, "
         f"{whole.num_parameters(active=True) / 1e6:.2f}M active; "
         f"corpus: {data['train'].num_tokens:,} train / {data['valid'].num_tokens:,} valid {tokenizer.unit}s")
+    start_step = _load(model_config, cfg, state, pg, log)
+    end_step = cfg.train_iters
+    if cfg.exit_interval:
+        end_step = min(end_step, (start_step // cfg.exit_interval + 1) * cfg.exit_interval)
+    resumed = cfg.load and not (cfg.finetune or cfg.load_partial)
+    writer = (MetricsWriter(cfg.output_dir, cfg.tensorboard_dir, resume_step=start_step if resumed else None)
+              if is_logger else _NoWriter())
+    return _Run(model_config, cfg, pg, log, state, data, tokenizer.unit, whole, start_step, end_step, writer,
+                is_logger)
+
+
+def _load(model_config: TransformerConfig, cfg: TrainingConfig, state: TrainingState,
+          pg: ProcessGroupCollection | None, log) -> int:
+    """Load ``cfg.load`` (weights only when fine-tuning); the step to start from."""
     start_step = 0
     if cfg.load and cfg.finetune:
         load_model_weights(cfg.load, state.model, pg, model_config=model_config, partial=cfg.load_partial,
@@ -195,90 +212,100 @@ def pretrain(model_config: TransformerConfig, cfg: TrainingConfig, log=print,
     if start_step > cfg.train_iters:
         raise ValueError(f"train_iters ({cfg.train_iters}) is below the step of the checkpoint in {cfg.load} "
                          f"({start_step})")
-    end_step = cfg.train_iters
-    if cfg.exit_interval:
-        end_step = min(end_step, (start_step // cfg.exit_interval + 1) * cfg.exit_interval)
+    return start_step
 
-    seq = model_config.seq_length
-    global_batch = state.tokens_per_step // seq
-    resumed = cfg.load and not (cfg.finetune or cfg.load_partial)
-    writer = (MetricsWriter(cfg.output_dir, cfg.tensorboard_dir, resume_step=start_step if resumed else None)
-              if is_logger else _NoWriter())
-    t_start = time.perf_counter()
-    start_valid = evaluate(state, data["valid"], cfg)
-    writer.log(start_step, {"valid_loss": start_valid})
-    log(f"step {start_step}: validation loss {start_valid:.4f}")
 
+def _train(run: _Run) -> list[float]:
+    """Steps ``start_step .. end_step``: train, log every ``log_interval``, evaluate and save between; the losses."""
+    cfg, state = run.cfg, run.state
     train_losses = []
     skipped_steps = 0
     state.model.train()
-    t_log, steps_since_log, data_wait = time.perf_counter(), 0, 0.0
-    bar = tqdm(range(start_step, end_step), desc="pretrain", unit="step", dynamic_ncols=True, mininterval=2.0,
-               disable=not is_logger)
-    make = functools.partial(data["train"].batch, global_batch, cfg.seed, rank=state.dp_rank, world=state.dp_size)
-    batches = Prefetcher(make, range(start_step, end_step), state.device)
+    window = _LogWindow()
+    bar = tqdm(range(run.start_step, run.end_step), desc="pretrain", unit="step", dynamic_ncols=True,
+               mininterval=2.0, disable=not run.is_logger)
+    make = functools.partial(run.data["train"].batch, state.tokens_per_step // run.model_config.seq_length,
+                             cfg.seed, rank=state.dp_rank, world=state.dp_size)
+    batches = Prefetcher(make, range(run.start_step, run.end_step), state.device)
     for step in bar:
         batch, waited = batches.next()
-        data_wait += waited
+        window.data_wait += waited
         step_loss, grad_norm, skipped = train_step(state, *batch)
         loss_value = step_loss.item()
         train_losses.append(loss_value)
-        steps_since_log += 1
+        window.steps += 1
         done = step + 1
         if skipped:
             skipped_steps += 1
-            log(f"step {done}: skipped, loss {loss_value} and gradient norm {grad_norm.item()} must be finite; "
-                f"{skipped_steps} skipped in this run (max_skipped_steps {cfg.max_skipped_steps})")
-            if skipped_steps > cfg.max_skipped_steps:
-                raise TrainingDivergedError(
-                    f"training diverged: {skipped_steps} steps had a non-finite loss or gradient norm, more than "
-                    f"max_skipped_steps ({cfg.max_skipped_steps}); stopped at step {done} without saving (the "
-                    "last checkpoint holds finite weights)"
-                )
-        if done % cfg.log_interval == 0 or done == end_step:
-            elapsed = time.perf_counter() - t_log
-            tokens_per_second = steps_since_log * state.tokens_per_step / elapsed
-            # "lr": the rate the next step will use (what Megatron logs), min_lr after the last step.
-            metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": state.scheduler.get_last_lr()[0],
-                       "tokens_per_second": tokens_per_second, "skipped_steps": skipped_steps,
-                       # Time the step waited for its batch (Prefetcher), per step and as a share of the time.
-                       "data_wait_ms": 1e3 * data_wait / steps_since_log, "data_wait_fraction": data_wait / elapsed,
-                       **router_losses(state.model, None if pg is None else pg.tp),
-                       **expert_load_stats(state.model)}
-            if pg is not None and pg.ep_size > 1:
-                metrics["ep_load_imbalance"] = ep_load_imbalance(state.model, pg)
-            gpus = state.dp_size * (1 if pg is None else pg.tp_size)
-            # Model TFLOP/s per GPU as Megatron counts them, to compare with its published figures.
-            per_gpu = tokens_per_second / gpus
-            metrics["megatron_tflops_per_gpu"] = megatron_flops_per_token(model_config) * per_gpu / 1e12
-            utilisation = mfu(whole.flops_per_token(), per_gpu, state.device)
-            if utilisation is not None:
-                metrics["mfu"] = utilisation
-            if state.device.type == "cuda":
-                metrics["peak_memory_gib"] = peak_memory_gib(state.device, pg)
-            writer.log(done, metrics)
+            _check_skipped(run, done, loss_value, grad_norm, skipped_steps)
+        if done % cfg.log_interval == 0 or done == run.end_step:
+            tokens_per_second = _log_step(run, done, window, loss_value, grad_norm, skipped_steps)
             bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_second:,.0f}")
-            t_log, steps_since_log, data_wait = time.perf_counter(), 0, 0.0
-        t_pause = time.perf_counter()
-        if cfg.eval_interval and done % cfg.eval_interval == 0 and done != end_step:
-            writer.log(done, {"valid_loss": evaluate(state, data["valid"], cfg)})
-        if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != end_step:
-            save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, done, pg, seed=cfg.seed,
-                            model_config=model_config, keep=cfg.save_keep)
-        t_log += time.perf_counter() - t_pause  # tokens/s counts training time only
+            window = _LogWindow()
+        with window.paused():
+            if cfg.eval_interval and done % cfg.eval_interval == 0 and done != run.end_step:
+                _validate(run, done)
+            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != run.end_step:
+                _save(run, done)
     bar.close()
     batches.close()
-    end_valid = evaluate(state, data["valid"], cfg)
-    writer.log(end_step, {"valid_loss": end_valid})
-    if cfg.save:
-        save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, end_step, pg, seed=cfg.seed,
-                        model_config=model_config, keep=cfg.save_keep)
-    png = writer.close(f"{model_config.num_layers} layers, hidden {model_config.hidden_size}")
-    seconds = time.perf_counter() - t_start
-    log(f"validation loss: start {start_valid:.3f}, end {end_valid:.3f} nats per {tokenizer.unit}")
-    log(f"steps {start_step}..{end_step} of {cfg.train_iters} in {seconds:.0f} s; metrics and {png and png.name} "
-        f"in {cfg.output_dir}")
-    return RunSummary(start_valid, end_valid, train_losses, seconds)
+    return train_losses
+
+
+def _check_skipped(run: _Run, done: int, loss_value: float, grad_norm: torch.Tensor, skipped_steps: int) -> None:
+    """Log a skipped step; raise ``TrainingDivergedError`` past ``max_skipped_steps``."""
+    limit = run.cfg.max_skipped_steps
+    run.log(f"step {done}: skipped, loss {loss_value} and gradient norm {grad_norm.item()} must be finite; "
+            f"{skipped_steps} skipped in this run (max_skipped_steps {limit})")
+    if skipped_steps > limit:
+        raise TrainingDivergedError(
+            f"training diverged: {skipped_steps} steps had a non-finite loss or gradient norm, more than "
+            f"max_skipped_steps ({limit}); stopped at step {done} without saving (the last checkpoint holds "
+            "finite weights)"
+        )
+
+
+def _log_step(run: _Run, done: int, window: _LogWindow, loss_value: float, grad_norm: torch.Tensor,
+              skipped_steps: int) -> float:
+    """Write the training row of step ``done`` (collective: every rank computes it); its tokens per second."""
+    state, pg = run.state, run.pg
+    elapsed = time.perf_counter() - window.start
+    tokens_per_second = window.steps * state.tokens_per_step / elapsed
+    # "lr": the rate the next step will use (what Megatron logs), min_lr after the last step.
+    metrics = {"loss": loss_value, "grad_norm": grad_norm.item(), "lr": state.scheduler.get_last_lr()[0],
+               "tokens_per_second": tokens_per_second, "skipped_steps": skipped_steps,
+               # Time the step waited for its batch (Prefetcher), per step and as a share of the time.
+               "data_wait_ms": 1e3 * window.data_wait / window.steps, "data_wait_fraction": window.data_wait / elapsed}
+    cfg = run.model_config
+    report = routing_report(state.model.moe_layers(), pg,
+                            [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)])
+    if report is not None:
+        metrics.update(report.metrics())
+    gpus = state.dp_size * (1 if pg is None else pg.tp_size)
+    # Model TFLOP/s per GPU as Megatron counts them, to compare with its published figures.
+    per_gpu = tokens_per_second / gpus
+    metrics["megatron_tflops_per_gpu"] = megatron_flops_per_token(cfg) * per_gpu / 1e12
+    utilisation = mfu(run.whole.flops_per_token(), per_gpu, state.device)
+    if utilisation is not None:
+        metrics["mfu"] = utilisation
+    if state.device.type == "cuda":
+        metrics["peak_memory_gib"] = peak_memory_gib(state.device, pg)
+    run.writer.log(done, metrics)
+    return tokens_per_second
+
+
+def _validate(run: _Run, step: int) -> float:
+    """Evaluate (``evaluate``) and write the validation row of ``step``; the loss."""
+    loss = evaluate(run.state, run.data["valid"], run.cfg)
+    run.writer.log(step, {"valid_loss": loss})
+    return loss
+
+
+def _save(run: _Run, step: int) -> None:
+    """Save the checkpoint of ``step`` to ``cfg.save``."""
+    state, cfg = run.state, run.cfg
+    save_checkpoint(cfg.save, state.model, state.optimizer, state.scheduler, step, run.pg, seed=cfg.seed,
+                    model_config=run.model_config, keep=cfg.save_keep)
 
 
 def _silent(*_args, **_kwargs) -> None:
@@ -295,5 +322,4 @@ class _NoWriter:
         return None
 
 
-__all__ = ["pretrain", "RunSummary", "TrainingDivergedError", "evaluate", "expert_load_stats", "ep_load_imbalance",
-           "router_losses", "mfu", "peak_memory_gib"]
+__all__ = ["pretrain", "RunSummary", "TrainingDivergedError", "evaluate", "mfu", "peak_memory_gib"]

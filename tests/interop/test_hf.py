@@ -112,7 +112,8 @@ def test_aux_loss_of_one_batch_matches_transformers(case):
         torch.testing.assert_close(logits, hf_logits, rtol=0, atol=1e-5)
         ours_logits.append(logits.detach())
         single = hf_loss((hf_logits,), experts, topk)
-        torch.testing.assert_close(topk * layer.router.aux_losses["aux_loss"], single, rtol=1e-5, atol=0)
+        ours = layer.router.recorder.aux_losses()["aux_loss"].float()
+        torch.testing.assert_close(topk * ours, single, rtol=1e-5, atol=0)
     scores, routing_map = routing_scores_for_aux_loss(torch.cat(ours_logits), "softmax", topk)
     pooled = switch_load_balancing_loss(scores, routing_map.sum(dim=0), scores.shape[0], topk)
     torch.testing.assert_close(topk * pooled, out.aux_loss, rtol=1e-5, atol=0)
@@ -200,12 +201,13 @@ def test_mixtral_sliding_window_and_olmoe_clip_qkv_raise():
 
 
 def test_bfloat16_load_and_export(tmp_path):
-    """``dtype``: weights cast once on load (router counters stay float32); export writes bf16 and says so."""
+    """``dtype``: weights cast once on load (router counters stay float32, recorded losses float64); export writes
+    bf16 and says so."""
     hf = build_hf(CASES["olmoe-e8k2-norm"]())
     hf.save_pretrained(tmp_path / "hf")
     config, model = load_hf(tmp_path / "hf" / "config.json", dtype=torch.bfloat16)  # a file in the directory
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert {b.dtype for b in model.buffers()} == {torch.float32}
+    assert {b.dtype for b in model.buffers()} == {torch.float32, torch.float64}
     save_hf(model, config, tmp_path / "out")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype="auto")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"

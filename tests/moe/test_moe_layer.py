@@ -100,7 +100,7 @@ def test_expert_without_tokens_gets_exact_zero_grad(grouped):
     layer.router.expert_bias[0] = -1e4  # selection only: expert 0 never wins a top-2 slot
     hidden = torch.randn(3, 4, HIDDEN)
     layer(hidden).square().sum().backward()
-    assert layer.router.tokens_per_expert[0] == 0
+    assert layer.router.recorder.tokens_per_expert[0] == 0
     assert layer.router.weight.grad.abs().sum() > 0
     for name, p in layer.named_parameters():
         assert p.grad is not None, f"{name} got no grad"

@@ -22,6 +22,11 @@ def make_router(**kw) -> TopKRouter:
     return TopKRouter(make_config(**kw)).double()
 
 
+def losses(router) -> dict[str, torch.Tensor]:
+    """The raw losses the router recorded in its last training forward."""
+    return router.recorder.aux_losses()
+
+
 def logits_of(router, hidden):
     return hidden.reshape(-1, H).double() @ router.weight.double().t()
 
@@ -197,13 +202,13 @@ def test_aux_loss_value_and_gradient_through_scaler():
     upstream = torch.randn(12, E)
     probs, _ = router(hidden)
     expected = switch_reference(logits_of(router, hidden), K)
-    torch.testing.assert_close(router.aux_losses["aux_loss"], expected, rtol=1e-9, atol=0)
-    assert set(router.aux_losses) == {"aux_loss"}
+    torch.testing.assert_close(losses(router)["aux_loss"], expected, rtol=1e-9, atol=0)
+    assert set(losses(router)) == {"aux_loss"}
     (probs * upstream).sum().backward()
 
     reference = make_router()
     ref_probs, _ = reference(hidden)
-    assert not reference.aux_losses
+    assert not losses(reference)
     w = reference.weight
     ((ref_probs * upstream).sum() + 0.1 * switch_reference(hidden.reshape(12, H) @ w.t(), K)).backward()
     torch.testing.assert_close(router.weight.grad, w.grad, rtol=1e-6, atol=1e-9)
@@ -227,10 +232,10 @@ def test_aux_loss_ignores_expert_bias():
                          moe_aux_loss_coeff=1.0)
     hidden = torch.randn(8, H, dtype=torch.float64)
     router(hidden)
-    unbiased = router.aux_losses["aux_loss"]
+    unbiased = losses(router)["aux_loss"]
     router.expert_bias[0] = 1e3
     router(hidden)
-    torch.testing.assert_close(router.aux_losses["aux_loss"], unbiased, rtol=0, atol=0)
+    torch.testing.assert_close(losses(router)["aux_loss"], unbiased, rtol=0, atol=0)
 
 
 def test_seq_aux_loss_per_sequence():
@@ -239,9 +244,9 @@ def test_seq_aux_loss_per_sequence():
     router(hidden)
     logits = logits_of(router, hidden).view(3, 4, E)
     expected = torch.stack([switch_reference(logits[b], K) for b in range(3)]).mean()
-    torch.testing.assert_close(router.aux_losses["seq_aux_loss"], expected, rtol=1e-9, atol=0)
+    torch.testing.assert_close(losses(router)["seq_aux_loss"], expected, rtol=1e-9, atol=0)
     router(hidden.reshape(12, H))  # [N, H] is one sequence
-    torch.testing.assert_close(router.aux_losses["seq_aux_loss"], switch_reference(logits.view(12, E), K),
+    torch.testing.assert_close(losses(router)["seq_aux_loss"], switch_reference(logits.view(12, E), K),
                                rtol=1e-9, atol=0)
 
 
@@ -250,15 +255,15 @@ def test_global_aux_loss_accumulates_until_reset():
     h1, h2 = torch.randn(2, 3, 4, H, dtype=torch.float64)
     router(h1)
     l1 = logits_of(router, h1)
-    torch.testing.assert_close(router.aux_losses["global_aux_loss"], switch_reference(l1, K), rtol=1e-9, atol=0)
+    torch.testing.assert_close(losses(router)["global_aux_loss"], switch_reference(l1, K), rtol=1e-9, atol=0)
     router(h2)
     l2 = logits_of(router, h2)
     counts = one_hot_rows(l1.topk(K, -1).indices).double().sum(0) + one_hot_rows(l2.topk(K, -1).indices).sum(0)
     expected = switch_reference(l2, K, num_tokens=24, counts=counts)
-    torch.testing.assert_close(router.aux_losses["global_aux_loss"], expected, rtol=1e-9, atol=0)
+    torch.testing.assert_close(losses(router)["global_aux_loss"], expected, rtol=1e-9, atol=0)
     router.reset_global_aux_loss_tracker()
     router(h2)
-    torch.testing.assert_close(router.aux_losses["global_aux_loss"], switch_reference(l2, K), rtol=1e-9, atol=0)
+    torch.testing.assert_close(losses(router)["global_aux_loss"], switch_reference(l2, K), rtol=1e-9, atol=0)
 
 
 def test_global_aux_loss_reduces_counts_over_the_group(monkeypatch):
@@ -279,7 +284,7 @@ def test_global_aux_loss_reduces_counts_over_the_group(monkeypatch):
     logits = logits_of(router, hidden)
     counts = 3 * one_hot_rows(logits.topk(K, -1).indices).double().sum(0)
     expected = switch_reference(logits, K, num_tokens=18, counts=counts)
-    torch.testing.assert_close(router.aux_losses["global_aux_loss"], expected, rtol=1e-9, atol=0)
+    torch.testing.assert_close(losses(router)["global_aux_loss"], expected, rtol=1e-9, atol=0)
 
 
 def test_list_of_losses_with_list_of_coefficients():
@@ -288,7 +293,7 @@ def test_list_of_losses_with_list_of_coefficients():
                          moe_z_loss_coeff=0.01)
     hidden = torch.randn(2, 5, H, dtype=torch.float64)
     probs, _ = router(hidden)
-    assert set(router.aux_losses) == {"aux_loss", "seq_aux_loss", "z_loss"}
+    assert set(losses(router)) == {"aux_loss", "seq_aux_loss", "z_loss"}
     probs.sum().backward()
     reference = make_router()
     w = reference.weight
@@ -306,7 +311,7 @@ def test_z_loss_value_and_gradient():
     hidden = torch.randn(7, H, dtype=torch.float64)
     probs, _ = router(hidden)
     expected = torch.logsumexp(logits_of(router, hidden), -1).square().mean()
-    torch.testing.assert_close(router.aux_losses["z_loss"], expected, rtol=1e-9, atol=0)  # raw, no coefficient
+    torch.testing.assert_close(losses(router)["z_loss"], expected, rtol=1e-9, atol=0)  # raw, no coefficient
     (probs * 0).sum().backward()  # the probs carry no gradient: what reaches the weight is the z-loss's
     w = router.weight.detach().clone().requires_grad_()
     (0.5 * 1e-2 * torch.logsumexp(hidden @ w.t(), -1).square().mean()).backward()
@@ -319,13 +324,14 @@ def test_losses_only_in_training_with_grad():
     hidden = torch.randn(6, H, dtype=torch.float64)
     router.eval()
     router(hidden)
-    assert router.aux_losses == {} and router.global_num_tokens == 0
+    assert not router.recorder.losses.any() and router.global_num_tokens == 0
     router.train()
     with torch.no_grad():
         router(hidden)
-    assert router.aux_losses == {} and router.global_num_tokens == 0
+    assert not router.recorder.losses.any() and router.global_num_tokens == 0
     router(hidden)
-    assert set(router.aux_losses) == {"global_aux_loss", "z_loss"} and router.global_num_tokens == 6
+    assert set(losses(router)) == {"global_aux_loss", "z_loss"} and router.global_num_tokens == 6
+    assert router.recorder.losses.all(), "the training forward with grad records its losses"
 
 
 def test_input_jitter_only_in_training():
@@ -357,7 +363,7 @@ def test_router_applies_capacity(policy, pad):
     if pad:
         assert (routing_map.sum(0) == capacity).all()
     assert (routing_map.sum(0) <= capacity).all()
-    assert torch.equal(router.tokens_per_expert, kept.sum(0).float())
+    assert torch.equal(router.recorder.tokens_per_expert, kept.sum(0).float())
     assert torch.equal(router.local_tokens_per_expert, kept.sum(0).float())
 
 
@@ -365,7 +371,7 @@ def test_empty_input():
     router = make_router(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.1)
     probs, routing_map = router(torch.zeros(0, H, dtype=torch.float64))
     assert probs.shape == routing_map.shape == (0, E)
-    assert all(torch.isfinite(v) for v in router.aux_losses.values())
+    assert all(torch.isfinite(v) for v in losses(router).values())
 
 
 def test_bad_input_and_config_raise():

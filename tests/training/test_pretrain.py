@@ -65,6 +65,10 @@ def test_smoke_writes_metrics_tensorboard_png_and_checkpoint(tmp_path, corpus, c
         assert all(math.isfinite(row[key]) for row in train_lines), key
     # Each routed row lands on one expert: 4 x 16 tokens, top-2, 4 experts -> loads around 32 per expert.
     assert all(0 <= row["expert_load_min"] <= 32 <= row["expert_load_max"] <= 128 for row in train_lines)
+    # Per MoE layer: summary scalars, the dead experts and the expert loads of the logged step.
+    for row in train_lines:
+        assert row["dead_experts"] == sum(layer["dead_experts"] for layer in row["moe"].values())
+        assert all(sum(layer["tokens_per_expert"]) == 128 for layer in row["moe"].values())
     assert [row["lr"] for row in train_lines] == pytest.approx([lr_at(s, 1e-2, 1e-3, 1, 4) for s in (1, 2, 3, 4)])
     valid = {row["step"]: row["valid_loss"] for row in lines if "valid_loss" in row}
     assert list(valid) == [0, 2, 4] and f"{valid[0]:.3f}" == printed[1] and f"{valid[4]:.3f}" == printed[2]
