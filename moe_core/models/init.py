@@ -5,7 +5,8 @@ allocated (``to_empty``) and initialised here, each rank filling only what it ho
 of ``(seed, parameter name, global expert index)`` alone, never of the order in which a process draws them:
 
 - each parameter (each expert of an expert tensor) draws from its own generator, seeded from a hash of the
-  seed and its single-process name (``param_roles``: EP ranks name their experts by global index);
+  seed and its single-process name (``param_roles``: EP ranks name their experts by global index; a renamed
+  parameter keeps its former name here, so a seed gives the weights it gave before the rename);
 - the whole tensor (the rank's experts, for an expert tensor) is drawn on the parameter's device and this rank's
   shard is cut from it with the parameter's own DTensor placements (no communication).
 
@@ -98,11 +99,13 @@ def init_weights(model: nn.Module, seed: int, expert_offset: int = 0) -> None:
             local.fill_(1.0 if rule == ONES else 0.0)
             continue
         role = roles[name]
+        # Seeded by the name a parameter had when its seeds were defined: a rename keeps a seed's weights.
+        seed_name = role.former_name or role.name
         if role.stacked:  # [L, ...]: a generator per global expert
-            full = torch.stack([_normal(tuple(param.shape[1:]), rule, _seed(seed, f"{role.name}[{expert_offset + e}]"),
+            full = torch.stack([_normal(tuple(param.shape[1:]), rule, _seed(seed, f"{seed_name}[{expert_offset + e}]"),
                                         param.device, param.dtype) for e in range(param.shape[0])])
         else:
-            full = _normal(tuple(param.shape), rule, _seed(seed, role.name), param.device, param.dtype)
+            full = _normal(tuple(param.shape), rule, _seed(seed, seed_name), param.device, param.dtype)
         if isinstance(param, DTensor):
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         local.copy_(full)

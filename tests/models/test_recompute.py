@@ -129,6 +129,7 @@ def test_bitwise_on_cuda_under_autocast():
 def test_compiled_layers_recompute(name):
     """Each layer compiled (as the trainer does) inside and around the checkpoints: the eager run's gradients."""
     want, _ = train_grads(config(moe_input_jitter_eps=None))
+    torch._dynamo.reset()  # compiled afresh, not against earlier tests' cached frames
     torch.manual_seed(0)
     model = GPTModel(config(moe_input_jitter_eps=None, **RECOMPUTE[name]))
     for layer in model.decoder.layers:

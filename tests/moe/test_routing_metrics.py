@@ -100,6 +100,7 @@ def test_only_training_forwards_with_grad_record():
 
 
 def test_compiled_layers_report_what_eager_layers_do():
+    torch._dynamo.reset()  # the layers' code is compiled afresh, not against earlier tests' cached frames
     eager, compiled = tiny_model(), tiny_model()
     for layer in compiled.decoder.layers:
         layer.compile(backend="aot_eager", fullgraph=True)
