@@ -70,14 +70,14 @@ class CountsCopy:
         return self._host.tolist()
 
 
-def gather_counts(counts: torch.Tensor, group: dist.ProcessGroup | None, *, after_current: bool) -> CountsCopy:
+def gather_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> CountsCopy:
     """Every EP rank's ``counts`` ``[n]`` int64 (one all-gather), as a ``CountsCopy`` whose ``wait`` gives
     ``[ep][n]`` host ints in rank order. On CUDA the exchange runs on the dispatcher's side stream, after the work
-    queued so far on the current stream if ``after_current`` (else as soon as the side stream is free)."""
+    queued so far on the current stream (which made ``counts``)."""
     def exchange():
         return (CountsCopy(all_gather_first_dim(counts.unsqueeze(0), group)),)
 
-    copy, = on_side_stream(exchange, counts.device, counts, after_current=after_current, join=False)
+    copy, = on_side_stream(exchange, counts.device, counts, after_current=True, join=False)
     return copy
 
 
@@ -117,8 +117,12 @@ class TokenCountCheck:
     """
 
     def __init__(self, num_tokens: int, group: dist.ProcessGroup, device: torch.device):
-        self._copy = gather_counts(torch.full((1,), num_tokens, dtype=torch.int64, device=device), group,
-                                   after_current=False)
+        # T is made on the side stream itself, so the exchange waits for no work of the current stream.
+        def exchange():
+            local = torch.full((1, 1), num_tokens, dtype=torch.int64, device=device)
+            return (CountsCopy(all_gather_first_dim(local, group)),)
+
+        self._copy, = on_side_stream(exchange, device, after_current=False, join=False)
 
     @classmethod
     def start(cls, num_tokens: int, group: dist.ProcessGroup | None, device: torch.device) -> TokenCountCheck | None:

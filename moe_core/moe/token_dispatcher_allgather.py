@@ -53,7 +53,7 @@ class MoEAllGatherTokenDispatcher(ExpertParallelTokenDispatcher):
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1] + 1
         # Per rank: its T, then its rows for each expert.
         local_counts = torch.cat([routing_map.new_full((1,), num_tokens, dtype=torch.int64), routing_map.sum(dim=0)])
-        counts = gather_counts(local_counts, self.ep_group, after_current=True).wait()  # [ep][1 + E]
+        counts = gather_counts(local_counts, self.ep_group).wait()  # [ep][1 + E]
         token_counts = [row[0] for row in counts]
         if self.drop_and_pad:
             same_token_counts(token_counts, "moe_pad_expert_input_to_capacity with the allgather dispatcher")

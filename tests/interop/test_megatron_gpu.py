@@ -72,7 +72,7 @@ def _gpt_recipe() -> None:
     with megatron_state(device=CUDA):
         config = moe_config(CUDA, num_layers=2, hidden_dropout=0.0, attention_dropout=0.0)
         spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts)
-        models = [GPTModel(config=config, transformer_layer_spec=s, vocab_size=64, max_sequence_length=32)
+        models = [GPTModel(config=config, transformer_layer_spec=s, vocab_size=64, max_sequence_length=32).to(CUDA)
                   for s in (spec, with_moe_core_experts(spec))]
         models[1].load_state_dict(models[0].state_dict())
         ids = torch.randint(0, 64, (2, 32), device=CUDA)
