@@ -102,7 +102,8 @@ class TransformerConfig:
     """One of DISPATCHER_TYPES."""
     moe_dispatch_sync_free: bool | None = None
     """None: off here; the trainer turns it on where it applies (``training.fast_path``). EP dispatch without a host
-    sync: every token travels to every EP rank and the expert rows are sized for
+    sync when compiled or captured in CUDA graphs (eagerly, one wait for the exchange of the token counts that
+    checks them, ``moe.ep_counts``): every token travels to every EP rank and the expert rows are sized for
     the worst case (each token on all its local experts), the rows past ``tokens_per_expert``'s sum unused.
     Static shapes for a data-dependent routing (the all-to-all exchange then compiles into the layer's graph), at
     the cost of memory; worth it at small EP, where almost every token reaches every rank anyway. Every EP rank
@@ -231,9 +232,12 @@ class TransformerConfig:
             return
         if self.recompute_modules is None:
             self.recompute_modules = ["core_attn"]
-        if not isinstance(self.recompute_modules, list) or set(self.recompute_modules) - set(RECOMPUTE_MODULES):
+        if set(self.recompute_modules) - set(RECOMPUTE_MODULES):
             raise ValueError(f"recompute_modules: expected a list of entries of {RECOMPUTE_MODULES}, got "
                              f"{self.recompute_modules!r}")
+        if "moe_act" in self.recompute_modules and not self.moe_grouped_gemm:
+            raise ValueError("recompute_modules: 'moe_act' recomputes GroupedMLP's activation; SequentialMLP "
+                             "(moe_grouped_gemm=False) has none to recompute")
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute covers ``module`` (an entry of RECOMPUTE_MODULES)."""

@@ -61,7 +61,7 @@ def write_corpus(prefix: Path, tokens: int, mean_document: int, vocab_size: int,
 
 
 def bench_row(model_config: TransformerConfig, training: TrainingConfig, prefix: Path, masking, args) -> dict:
-    """One row: setup_training, then steps fed by the Prefetcher over the blend's train windows."""
+    """One row: setup_training, then steps fed by the Prefetcher over the corpus's windows."""
     device = training_device(None)
     windows = TokenWindows([IndexedDataset(prefix).tokens], model_config.seq_length, names=[str(prefix)],
                            vocab_size=model_config.vocab_size, masking=masking)

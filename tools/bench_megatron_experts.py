@@ -39,14 +39,12 @@ from _bench_common import (  # noqa: E402
     error_message,
     fmt,
     free_memory,
-    iteration_ms,
     peak_memory_gib,
     print_table,
     ratio,
     run_metadata,
     single_thread,
-    summarize,
-    synchronize,
+    timed,
 )
 
 # name: (tokens T, hidden H, expert ffn F, experts E, topk K)
@@ -156,11 +154,8 @@ def bench_shape(shape: str, spec: tuple, args, device: torch.device, dtype: torc
             row = dict(base, provider=provider, max_abs_diff=diff, **{"pass": name})
             fn = pass_fn(module, x, counts, probs, dy, name)
             try:
-                for _ in range(args.warmup):
-                    fn()
-                synchronize(device)
                 iters = max(2, args.iters // 4) if provider == "sequential" else args.iters
-                row.update(summarize(iteration_ms(fn, iters, device)), peak_gib=peak_memory_gib(fn, device))
+                row.update(timed(fn, iters, args.warmup, device), peak_gib=peak_memory_gib(fn, device))
                 flops = (6 if name == "fwd" else 18) * tokens * topk * hidden * ffn
                 row["tflops"] = flops / row["median_ms"] / 1e9
             except Exception as err:  # noqa: BLE001  (OOM, a failing kernel: recorded, the others go on)

@@ -92,21 +92,13 @@ class SelfAttention(nn.Module):
             q_BNSD, k_BNSD = self.q_layernorm(q_BNSD), self.k_layernorm(k_BNSD)
         cos, sin = rope_cos_sin
         q_BNSD, k_BNSD = apply_rope(q_BNSD, cos, sin), apply_rope(k_BNSD, cos, sin)
-        core_attn = _causal_attention if per_group == 1 else _causal_gqa_attention
+        core_attn = functools.partial(F.scaled_dot_product_attention, is_causal=True, enable_gqa=per_group > 1)
         args = (q_BNSD, k_BNSD, v_BNSD)
         if attention_mask is not None:
             core_attn = functools.partial(masked_attention, enable_gqa=per_group > 1)
             args += (attention_mask,)
         out_BNSD = checkpoint(core_attn, *args) if self.recompute_core_attn else core_attn(*args)
         return self.linear_proj(out_BNSD.transpose(1, 2).reshape(batch, seq, groups * per_group * dim))
-
-
-def _causal_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True)
-
-
-def _causal_gqa_attention(q_BNSD: torch.Tensor, k_BNSD: torch.Tensor, v_BNSD: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, is_causal=True, enable_gqa=True)
 
 
 __all__ = ["SelfAttention", "qkv_row_blocks"]

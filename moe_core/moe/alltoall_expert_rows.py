@@ -24,10 +24,10 @@ Collectives, in this order on every rank: the count exchange (drop_and_pad: the 
 instead, when eager), the rows' all-to-all (plus the probs' with L = 1), combine's all-to-all, their mirrors in
 backward.
 
-Host syncs: drop_and_pad: none when traced or captured; eagerly, the wait for the token-count check. Otherwise one
-per dispatch: ``all_to_all_single`` takes its split sizes as host ints, so the exchanged counts must reach the host
-(``CountsCopy.wait``). (With L = 1, a capacity factor and no padding, ``permute`` adds its own to size the
-data-dependent rows.)
+Host syncs: drop_and_pad: the wait for the token-count check (dispatch always runs eagerly), none when captured in a
+CUDA graph. Otherwise one per dispatch: ``all_to_all_single`` takes its split sizes as host ints, so the exchanged
+counts must reach the host (``CountsCopy.wait``). (With L = 1, a capacity factor and no padding, ``permute`` adds its
+own to size the data-dependent rows.)
 
 Streams (CUDA): the count exchange and its copy to pinned host memory run on a side stream
 (``ep_counts.exchange_counts``) after the routing only, so they overlap the permute; the sort indices are computed

@@ -106,19 +106,22 @@ class GroupedMLP(nn.Module):
         x = permuted_local_hidden_states
         check_expert_inputs(x, tokens_per_expert, permuted_probs, self.num_local_experts,
                             self.linear_fc1.weight.shape[1])
-        if self.probs_on_output:
-            out = self.linear_fc2(activation(self.linear_fc1(x, tokens_per_expert), self.activation_func),
-                                  tokens_per_expert)
-            return _scale_rows(out, permuted_probs), None
-        used_rows = tokens_per_expert.sum()
-
-        def act(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-            return _activation_with_probs(fc1_out, self.activation_func, probs, used_rows)
-
         fc1_out = self.linear_fc1(x, tokens_per_expert)
+        if self.probs_on_output:
+            inputs = (fc1_out,)
+
+            def act(fc1_out: torch.Tensor) -> torch.Tensor:
+                return activation(fc1_out, self.activation_func)
+        else:
+            inputs, used_rows = (fc1_out, permuted_probs), tokens_per_expert.sum()
+
+            def act(fc1_out: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+                return _activation_with_probs(fc1_out, self.activation_func, probs, used_rows)
+
         # moe_act recompute: fc2 keeps no copy of the activation, backward makes it again from fc1's output.
-        intermediate = (recompute_output(act, fc1_out, permuted_probs) if self.recompute_activation
-                        else act(fc1_out, permuted_probs))
+        intermediate = recompute_output(act, *inputs) if self.recompute_activation else act(*inputs)
+        if self.probs_on_output:
+            return _scale_rows(self.linear_fc2(intermediate, tokens_per_expert), permuted_probs), None
         return self.linear_fc2(intermediate, tokens_per_expert, row_scale=permuted_probs), None
 
 

@@ -27,8 +27,9 @@ class RowMap:
 
     Attributes:
         token_of_row: ``[R]`` int64, the token row r copies; -1 for a padding row (drop_and_pad), which holds
-            zeros; -2 for an unused row past the routed ones under a row bound (``permute``'s ``max_out_tokens``,
-            the sync-free dispatch), left unwritten: no kernel reads the rows past tokens_per_expert's sum.
+            zeros; -2 for an unused row past the routed ones under a row bound (``build_row_map``'s
+            ``num_out_tokens`` as a bound: the sync-free dispatch's received rows), left unwritten: no kernel reads
+            the rows past tokens_per_expert's sum.
         row_of_slot: ``[T, K]`` int64, the rows of token t in expert order; -1 for an empty slot (a dropped
             or unused one).
     """
@@ -84,8 +85,7 @@ def build_row_map(routing_map: torch.Tensor, num_slots: int, num_out_tokens: int
 
 def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor | None = None,
             num_out_tokens: int | None = None, drop_and_pad: bool = False, num_slots: int | None = None,
-            pack_probs: bool = False, max_out_tokens: int | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None, RowMap]:
+            pack_probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, RowMap]:
     """Gather token rows into expert-major order (Megatron's ``permute`` with a routing map).
 
     Rows of expert 0 come first, then expert 1, ...; inside an expert, rows are in token order.
@@ -102,11 +102,6 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
             rows whose prob is 0, C rows in all. The router must already have dropped tokens beyond C
             (``apply_token_dropping``); extra ones would be cut here silently.
         num_slots: K, at least the most experts any token has; None: E (always enough).
-        max_out_tokens: instead of ``num_out_tokens``, an upper bound on ``routing_map.sum()`` (without
-            ``drop_and_pad``): R = max_out_tokens rows, the routed ones expert-major, then unused rows (prob 0,
-            token_of_row -2, left unwritten on CUDA), so the shapes are static and no host sync is needed. Rows per
-            expert are still ``routing_map.sum(0)``; the grouped GEMM takes counts summing to less than R and never
-            reads the rows past their sum.
         pack_probs: write the float32 probs into the rows' tails (``moe_core.ops.pack.pack_rows`` with one value,
             ``[R, W]``) in the same pass, instead of returning them apart; needs ``probs``.
     Returns:
@@ -135,15 +130,6 @@ def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor
         capacity = num_out_tokens // num_experts
     elif num_out_tokens is not None and checkable and int(routing_map.sum()) != num_out_tokens:
         raise ValueError(f"num_out_tokens: expected routing_map.sum() = {int(routing_map.sum())}, got {num_out_tokens}")
-    if max_out_tokens is not None:
-        if drop_and_pad or num_out_tokens is not None:
-            raise ValueError("max_out_tokens: expected neither num_out_tokens nor drop_and_pad beside it")
-        if num_tokens == 0 and max_out_tokens:
-            raise ValueError(f"max_out_tokens: expected 0 without tokens, got {max_out_tokens}")
-        if checkable and int(routing_map.sum()) > max_out_tokens:
-            raise ValueError(f"max_out_tokens: expected at least routing_map.sum() = {int(routing_map.sum())}, "
-                             f"got {max_out_tokens}")
-        num_out_tokens = max_out_tokens
     row_map, expert_of_row = build_row_map(routing_map, num_slots, num_out_tokens, capacity)
     permuted_probs = None if probs is None else _row_probs(probs, row_map.token_of_row, expert_of_row)
     if pack_probs:

@@ -93,7 +93,7 @@ class TopKRouter(nn.Module):
     Tensor parallelism (``tp_group``, with sequence parallelism): each TP rank routes its own slice of the
     tokens, and each loss of a rank is its share of the loss of the whole micro-batch (the TP ranks' shares
     sum to it, so the gradients equal TP 1's): the routed counts are summed over ``tp_group`` and every mean
-    is over all the TP group's tokens. ``aux_losses`` then holds this rank's shares. ``weight`` is a
+    is over all the TP group's tokens. ``recorder`` then holds this rank's shares. ``weight`` is a
     ``Replicate`` DTensor of the TP mesh; its gradient is reduced over the TP group once per forward, where
     the logits read it (``tp_weights.tp_full``).
 
@@ -301,9 +301,11 @@ class TopKRouter(nn.Module):
         batch for ``global_aux_loss``. ``skipped``: the step did not count (``training.step``'s non-finite steps),
         so its loads are dropped and the bias stays.
 
-        Collective over ``tp_dp_group`` unless ``skipped`` (one all-reduce), so every rank's bias stays equal.
+        Collective over ``tp_dp_group`` (one all-reduce) when the step counts and ``moe_router_enable_expert_bias``
+        is on (the only reader of the summed loads), so every rank's bias stays equal; the flag is the same on
+        every rank.
         """
-        if skipped:
+        if skipped or not self.config.moe_router_enable_expert_bias:
             self.local_tokens_per_expert.zero_()
         else:
             if self.tp_dp_group is not None:
@@ -316,11 +318,10 @@ class TopKRouter(nn.Module):
     def update_expert_bias(self) -> None:
         """Aux-loss-free balancing step ``expert_bias += rate * sign(mean_e(load) - load)``; resets the counter.
 
-        ``load`` is ``local_tokens_per_expert``; call after the optimizer step, once it holds the global
-        batch's counts (all-reduce it over the data-parallel group first, so the bias stays equal on all
-        ranks). The bias moves only when ``moe_router_enable_expert_bias``; the counter is always reset.
-        Source: Wang et al. 2024 (Auxiliary-Loss-Free Load Balancing, arXiv:2408.15664), Megatron's
-        ``get_updated_expert_bias``.
+        ``load`` is ``local_tokens_per_expert``, once it holds the global batch's counts (``finish_step`` sums it
+        over the data-parallel group first, so the bias stays equal on all ranks). The bias moves only when
+        ``moe_router_enable_expert_bias``; the counter is always reset. Source: Wang et al. 2024
+        (Auxiliary-Loss-Free Load Balancing, arXiv:2408.15664), Megatron's ``get_updated_expert_bias``.
         """
         if self.config.moe_router_enable_expert_bias:
             load_E = self.local_tokens_per_expert

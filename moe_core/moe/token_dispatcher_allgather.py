@@ -13,8 +13,8 @@ EP ranks may pass different T, zero included; with drop_and_pad (each rank's tok
 they must pass the same T, and every rank raises otherwise, naming each rank's T. Row order inside an expert is
 (source rank, token index), the same as the all-to-all dispatcher's, so both feed the experts identical inputs.
 One count exchange, three all-gathers in dispatch and one reduce-scatter in combine on every rank (mirrors in
-backward); one host sync per dispatch, the counts' (an event wait on a copy queued behind the routing, so the
-gathers' padding overlaps it), which also sizes ``permute``'s output. Under torch.compile both run eagerly, as the
+backward); one host sync per dispatch, the counts' (an event wait on a copy queued behind the routing, not an
+implicit sync), which also sizes the padding and ``permute``'s output. Under torch.compile both run eagerly, as the
 all-to-all dispatcher's EP exchange does (its module docstring says why): the expert compute around them compiles.
 """
 

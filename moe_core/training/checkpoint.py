@@ -11,7 +11,7 @@ What a checkpoint holds:
   ranks with different streams don't collapse into one replicated entry; a rank without its own entry (another
   world size) keeps its freshly seeded RNG.
 - state.json: the step (training steps done, skipped non-finite ones included), the data seed (batches are a function
-  of ``(seed, step)``, ``data.sample_batch``), the LR schedule's state, AdamW's param groups
+  of ``(seed, step)``, ``data.TokenWindows.batch``), the LR schedule's state, AdamW's param groups
   (hyper-parameters), the model's ``TransformerConfig``, and for the record the world size and torch version.
 
 The tensors are saved sharded, each rank writing only what it holds, in the single-process layout

@@ -111,7 +111,7 @@ class TrainingConfig:
     sets the pace (EP's extra ops, small layers). Needs ``compile``, static shapes (under EP the sync-free
     exchange, ``moe_dispatch_sync_free``) and parameters at fixed addresses: one process, or DDP with the experts
     alone on their expert-DP mesh and no tensor parallelism; not FSDP2, which allocates parameters anew every
-    step. A router's ``tokens_per_expert`` and ``aux_losses`` then hold until the next step or evaluation. Each
+    step. Each
     micro-batch of a step records and replays graphs of its own (a path of torch's graph tree each, as the earlier
     micro-batches' gradients stay alive until the step ends). On CPU the layers run compiled, without graphs."""
 

@@ -154,8 +154,8 @@ def build_sft(data_path: list[str], tokenizer_path: str | None, split: str | Non
             and line), or an empty train or validation split.
     """
     if tokenizer_path is None:
-        raise ValueError("tokenizer: SFT needs a Hugging Face tokenizer with a chat template (--tokenizer DIR or "
-                         "DIR/tokenizer.json), got none")
+        raise ValueError("tokenizer: SFT needs a Hugging Face tokenizer with a chat template (--tokenizer "
+                         "DIR/tokenizer.json, its tokenizer_config.json beside it), got none")
     tokenizer = load_pretrained_tokenizer(tokenizer_path)
     if not tokenizer.chat_template:
         raise ValueError(f"tokenizer: {tokenizer_path} has no chat template (tokenizer_config.json's chat_template or "

@@ -67,6 +67,14 @@ def test_negative_control_router_counting_a_recomputed_forward(monkeypatch):
         torch.testing.assert_close(got, 2 * want)
 
 
+def test_moe_act_with_probs_on_output():
+    want, _ = train_grads(config(moe_apply_probs_on_output=True))
+    got, _ = train_grads(config(moe_apply_probs_on_output=True, recompute_granularity="selective",
+                                recompute_modules=["moe_act"]))
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def test_full_recompute_groups():
     assert full_recompute_groups(5, "uniform", 2) == [(0, 2, True), (2, 4, True), (4, 5, True)]
     assert full_recompute_groups(5, "block", 2) == [(0, 1, True), (1, 2, True), (2, 5, False)]
@@ -83,6 +91,8 @@ def test_full_recompute_groups():
     (dict(recompute_modules=["moe"]), "recompute_modules: only with recompute_granularity 'selective'"),
     (dict(recompute_granularity="selective", recompute_modules=["attention"]), "recompute_modules"),
     (dict(recompute_granularity="selective", recompute_modules="moe"), "recompute_modules"),
+    (dict(recompute_granularity="selective", recompute_modules=["moe_act"], moe_grouped_gemm=False),
+     "'moe_act' recomputes GroupedMLP's activation"),
 ])
 def test_config_follows_megatrons_rules(kw, match):
     with pytest.raises((ValueError, TypeError), match=match):

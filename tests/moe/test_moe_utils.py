@@ -77,36 +77,6 @@ def test_permute_matches_loop_reference(static, num_tokens, num_experts, topk):
         assert row_map.row_of_slot[n].tolist() == rows + [-1] * (topk - len(rows))
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,topk", [(7, 5, 2), (13, 4, 3), (0, 3, 1)])
-def test_permute_with_a_row_bound_pads_the_tail(num_tokens, num_experts, topk):
-    # max_out_tokens: the routed rows as with the exact count, then unused rows (token -2, zeros on the CPU, prob 0);
-    # the round trip and both gradients are the exact count's.
-    routing_map, probs = random_routing(num_tokens, num_experts, topk, seed=num_tokens, empty_expert=1)
-    tokens = torch.randn(num_tokens, 3, dtype=torch.float64, requires_grad=True)
-    probs.requires_grad_()
-    routed, bound = num_tokens * topk, num_tokens * topk + 6
-    if num_tokens == 0:
-        with pytest.raises(ValueError, match="max_out_tokens: expected 0 without tokens"):
-            permute(tokens, routing_map, probs, max_out_tokens=bound, num_slots=topk)
-        return
-    exact, exact_probs, exact_map = permute(tokens, routing_map, probs, num_out_tokens=routed, num_slots=topk)
-    padded, padded_probs, padded_map = permute(tokens, routing_map, probs, max_out_tokens=bound, num_slots=topk)
-    assert padded.shape == (bound, 3)
-    assert torch.equal(padded[:routed], exact) and torch.equal(padded[routed:], torch.zeros(6, 3, dtype=torch.float64))
-    assert torch.equal(padded_probs[:routed], exact_probs) and torch.equal(padded_probs[routed:], probs.new_zeros(6))
-    assert padded_map.token_of_row[routed:].tolist() == [-2] * 6
-    assert torch.equal(padded_map.row_of_slot, exact_map.row_of_slot)
-    grads = []
-    for rows, row_probs, row_map in ((exact, exact_probs, exact_map), (padded, padded_probs, padded_map)):
-        out = unpermute(rows * row_probs.unsqueeze(1), row_map)
-        grads.append(torch.autograd.grad(out.pow(2).sum(), (tokens, probs)))
-    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
-    with pytest.raises(ValueError, match="max_out_tokens: expected at least"):
-        permute(tokens, routing_map, probs, max_out_tokens=routed - 1, num_slots=topk)
-    with pytest.raises(ValueError, match="max_out_tokens: expected neither"):
-        permute(tokens, routing_map, probs, num_out_tokens=routed, max_out_tokens=bound, num_slots=topk)
-
-
 def test_permute_row_order_by_hand():
     routing_map = torch.tensor([[1, 0, 1], [0, 0, 1], [1, 0, 0]], dtype=torch.bool)
     tokens = torch.tensor([[10.0], [11.0], [12.0]])
